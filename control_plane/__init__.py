@@ -1,7 +1,7 @@
 """Control plane: global scheduler, global page table, DCP placement policies, lowering into routing tables."""
 
 from .cp_buckets import CPBucketTable
-from .lowering import ExecShape, RoutingTables, RoutingTableError
+from .lowering import ExecShape, RoutingTableError, RoutingTables
 from .page_table import GlobalPageTable
 from .scheduler import (
     Admission,

@@ -48,9 +48,7 @@ class CPBucketTable:
 
     def save(self, path: str | Path) -> None:
         buckets = [{"max_len": m, "cp": c} for m, c in zip(self.max_lens, self.cps)]
-        Path(path).write_text(
-            json.dumps({"provenance": self.provenance, "buckets": buckets}, indent=2) + "\n"
-        )
+        Path(path).write_text(json.dumps({"provenance": self.provenance, "buckets": buckets}, indent=2) + "\n")
 
     @classmethod
     def single(cls, cp: int = 1) -> CPBucketTable:

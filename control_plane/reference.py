@@ -62,8 +62,7 @@ def parse_policy(policy: str) -> tuple[str, int]:
     name, _, arg = policy.partition(":")
     if name not in POLICIES:
         raise SchedulerError(
-            f"unknown policy {policy!r}; choose one of nanocp, least-batch, least-cache, "
-            "round-robin, uniform-cp:K"
+            f"unknown policy {policy!r}; choose one of nanocp, least-batch, least-cache, round-robin, uniform-cp:K"
         )
     if name == "uniform-cp":
         if not arg.isdigit() or int(arg) < 1:
@@ -90,9 +89,7 @@ class ReferenceCore:
                 f"({spec.instances_per_node})"
             )
         if max_batch_per_instance < 0:
-            raise SchedulerError(
-                f"max_batch_per_instance must be >= 0 (0 = unbounded), got {max_batch_per_instance}"
-            )
+            raise SchedulerError(f"max_batch_per_instance must be >= 0 (0 = unbounded), got {max_batch_per_instance}")
         self.cp_buckets = cp_buckets or CPBucketTable.load()
         self.max_batch = max_batch_per_instance
         n = spec.num_instances
@@ -110,9 +107,7 @@ class ReferenceCore:
         self.last_admitted: list[tuple[int, int, bool]] = []  # (handle, context_len, recompute)
         self.last_finished: list[int] = []
         self.last_preempted: list[int] = []
-        self.last_rejected: list[
-            int
-        ] = []  # preempted requests that grew past what the policy can ever re-admit
+        self.last_rejected: list[int] = []  # preempted requests that grew past what the policy can ever re-admit
 
     # ---------------------------------------------------------------- requests in and out
 
@@ -134,9 +129,7 @@ class ReferenceCore:
         longest = prompt_len + max_new_tokens - 1
         cluster = self.spec.num_instances * self.spec.frames_per_instance * self.spec.page_size
         if longest > cluster:
-            raise SchedulerError(
-                f"request {handle} needs {longest} tokens of KV, the whole cluster holds {cluster}"
-            )
+            raise SchedulerError(f"request {handle} needs {longest} tokens of KV, the whole cluster holds {cluster}")
         if prompt_len > self.max_context():
             raise SchedulerError(
                 f"request {handle}: prompt of {prompt_len} tokens can never be admitted under policy "
@@ -175,9 +168,7 @@ class ReferenceCore:
             self.requests[handle].decode_steps += 1
 
     def _finish_completed(self) -> None:
-        done = [
-            h for h in self.running if self.requests[h].decode_steps >= self.requests[h].max_new_tokens - 1
-        ]
+        done = [h for h in self.running if self.requests[h].decode_steps >= self.requests[h].max_new_tokens - 1]
         # Requests that need no decode iteration at all (max_new_tokens == 1) finish from the queue.
         done_waiting = [h for h in self.waiting if self.requests[h].max_new_tokens == 1]
         for handle in done + done_waiting:

@@ -149,9 +149,7 @@ class GlobalScheduler:
         self._handles: dict[str, int] = {}
         self._names: dict[int, str] = {}
         self._next_handle = 0
-        self._reported: list[
-            int
-        ] = []  # handles whose end was reported in the last plan: forget them next step
+        self._reported: list[int] = []  # handles whose end was reported in the last plan: forget them next step
 
     # -------------------------------------------------------------- requests
 
