@@ -299,9 +299,10 @@ class ReferenceCore:
             return self._place_uniform(context)
         n = self.spec.num_instances
         if self.policy == "least-batch":
-            target = min(range(n), key=lambda i: (self.moe_batch[i], self.kv_tokens[i], i))
+            # vLLM's DP balancing looks at the batch only; SGLang-style least-cache at KV only.
+            target = min(range(n), key=lambda i: (self.moe_batch[i], i))
         elif self.policy == "least-cache":
-            target = min(range(n), key=lambda i: (self.kv_tokens[i], self.moe_batch[i], i))
+            target = min(range(n), key=lambda i: (self.kv_tokens[i], i))
         else:  # round-robin
             target = self.rr_cursor
         split = {target: context + 1}
