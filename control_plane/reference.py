@@ -112,14 +112,13 @@ class ReferenceCore:
     # ---------------------------------------------------------------- requests in and out
 
     def max_context(self) -> int:
-        """Largest context a single request can ever be admitted with under this policy."""
-        cap = self.spec.frames_per_instance * self.spec.page_size
+        """Largest context a request can ever be admitted with under this policy (on an empty cluster)."""
+        room = self.spec.frames_per_instance * self.spec.page_size - 1  # one slot kept for the new token
         if self.policy == "nanocp":
-            widest = max(self.cp_buckets.cps)
-            return min(widest, self.spec.instances_per_node) * cap - 1
+            return self.spec.instances_per_node * room
         if self.policy == "uniform-cp":
-            return self.policy_arg * cap - self.policy_arg
-        return cap - 1
+            return self.policy_arg * room
+        return room
 
     def add_request(self, handle: int, prompt_len: int, max_new_tokens: int) -> None:
         if handle in self.requests:
@@ -316,7 +315,9 @@ class ReferenceCore:
         return sum(self.moe_batch[i] for i in self.spec.node_instances(node))
 
     def _place_nanocp(self, context: int) -> tuple[int, dict[int, int]] | None:
-        cp = min(self.cp_buckets.lookup(context), self.spec.instances_per_node)
+        # The bucket's degree, raised to the least degree whose even split fits an instance (else it never fits).
+        room = self.spec.frames_per_instance * self.spec.page_size - 1
+        cp = min(max(self.cp_buckets.lookup(context), -(-context // room)), self.spec.instances_per_node)
         nodes = sorted(range(self.spec.num_nodes), key=lambda d: (self._node_owned(d), d))
         # The node with the fewest owned requests first; if it cannot hold the request, the next one.
         for node in nodes:
