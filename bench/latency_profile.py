@@ -1,0 +1,518 @@
+"""Latency profiles: per-layer, per-instance cost of a DP-EP decode iteration, from a data file.
+
+A profile is a JSON file (bench/profiles/<name>.json) holding linear coefficients per phase, link bandwidths and
+latencies, a memory budget and a prefill cost model, each with its provenance. The same code reads a profile
+derived from published GPU numbers (h200-deepseek-v3, h800-deepseek-v3) or one fitted from the CPU data plane's
+timing log (`fit_profile_from_timing_log`).
+
+Phases and the feature each coefficient multiplies (time per layer unless noted; `const` is always present):
+
+| phase | features | feature meaning |
+|---|---|---|
+| attention | kv_tokens, shards | KV tokens on the instance; (request, shard) rows on it |
+| merge | partials | remote partial results the instance merges (LSE merge) |
+| dense | batch | local MoE batch (attention-side projections, norms, RoPE) - every layer |
+| shared_expert | batch | local MoE batch (gate + shared expert) - MoE layers |
+| dense_mlp | batch | local MoE batch (dense FFN) - dense layers |
+| expert | batch | mean MoE batch over instances (each receives mean x top_k rows) - MoE layers |
+| moe_dispatch, moe_combine | batch | max MoE batch over instances (lock-step all-to-all) - MoE layers |
+| iteration | batch | local MoE batch; once per iteration (lm_head, sampling) |
+
+A phase is either a coefficient dict or {"by_ep": {"<EP size>": coefficients}}; between tabulated EP sizes each
+coefficient is interpolated linearly in log2(EP), outside the table the nearest entry is used.
+
+CP communication per layer and instance: a Q round then a Res round. In each round an instance sends and receives
+over NVLink (peers in its node) and RDMA (other nodes) at once; a link costs latency + bytes / bandwidth, with
+bytes = max(sent, received) as the link is full duplex; a round lasts as long as its slower link.
+
+One iteration (the all-to-all is a barrier, so every instance waits for the slowest):
+    pre_i   = attention_i + cp_i + merge_i + dense_i + shared_expert_i             (MoE layer, before dispatch)
+    dlayer_i = attention_i + cp_i + merge_i + dense_i + dense_mlp_i                (dense layer)
+    a2a     = dispatch(max batch) + expert(mean batch) + combine(max batch)
+    T = max_i(n_dense * dlayer_i + pre_i) + (n_moe - 1) * max_i(pre_i) + n_moe * a2a + max_i(iteration_i)
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import os
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+PROFILES_DIR = Path(__file__).resolve().parent / "profiles"
+SCHEMA = "nanocp-latency-profile/1"
+TIME_UNITS = {"s": 1.0, "ms": 1e-3, "us": 1e-6}
+
+PHASE_FEATURES: dict[str, tuple[str, ...]] = {
+    "attention": ("kv_tokens", "shards"),
+    "merge": ("partials",),
+    "dense": ("batch",),
+    "shared_expert": ("batch",),
+    "dense_mlp": ("batch",),
+    "expert": ("batch",),
+    "moe_dispatch": ("batch",),
+    "moe_combine": ("batch",),
+    "iteration": ("batch",),
+}
+LINKS = ("nvlink", "rdma")
+BREAKDOWN = ("attention", "moe_a2a", "cp_comm", "other")
+
+
+class ProfileError(ValueError):
+    """A latency profile is missing, malformed, or asked something it cannot answer."""
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Building blocks
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LinearCost:
+    """t = const + sum_f coefs[f] * x_f, in seconds."""
+
+    const: float
+    coefs: Mapping[str, float]
+
+    def __call__(self, **features: Any) -> Any:
+        t = self.const
+        for name, x in features.items():
+            t = t + self.coefs.get(name, 0.0) * x
+        return t
+
+
+@dataclass(frozen=True)
+class PhaseModel:
+    """A phase's cost, either one LinearCost or a table keyed by EP size (number of instances)."""
+
+    name: str
+    by_ep: Mapping[int, LinearCost]
+
+    def at(self, num_instances: int) -> LinearCost:
+        if len(self.by_ep) == 1:
+            return next(iter(self.by_ep.values()))
+        sizes = sorted(self.by_ep)
+        if num_instances <= sizes[0]:
+            return self.by_ep[sizes[0]]
+        if num_instances >= sizes[-1]:
+            return self.by_ep[sizes[-1]]
+        if num_instances in self.by_ep:
+            return self.by_ep[num_instances]
+        hi = next(s for s in sizes if s > num_instances)
+        lo = sizes[sizes.index(hi) - 1]
+        w = (math.log2(num_instances) - math.log2(lo)) / (math.log2(hi) - math.log2(lo))
+        a, b = self.by_ep[lo], self.by_ep[hi]
+        keys = set(a.coefs) | set(b.coefs)
+        coefs = {k: (1 - w) * a.coefs.get(k, 0.0) + w * b.coefs.get(k, 0.0) for k in keys}
+        return LinearCost((1 - w) * a.const + w * b.const, coefs)
+
+
+@dataclass(frozen=True)
+class Link:
+    bandwidth_Bps: float
+    latency_s: float
+
+    def time(self, nbytes: np.ndarray) -> np.ndarray:
+        """Latency + bytes / bandwidth where bytes > 0, else 0."""
+        nbytes = np.asarray(nbytes, dtype=float)
+        return np.where(nbytes > 0, self.latency_s + nbytes / self.bandwidth_Bps, 0.0)
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    num_layers: int
+    num_dense_layers: int
+    num_heads: int
+    kv_lora_rank: int
+    qk_rope_head_dim: int
+    kv_bytes_per_element: int
+    act_bytes_per_element: int
+    num_experts: int
+    top_k: int
+
+    @property
+    def num_moe_layers(self) -> int:
+        return self.num_layers - self.num_dense_layers
+
+    @property
+    def q_bytes(self) -> int:
+        """One routed query in latent form: heads x (kv_lora + rope) values."""
+        return self.num_heads * (self.kv_lora_rank + self.qk_rope_head_dim) * self.act_bytes_per_element
+
+    @property
+    def res_bytes(self) -> int:
+        """One routed partial result: heads x (o of kv_lora values + one fp32 lse)."""
+        return self.num_heads * (self.kv_lora_rank * self.act_bytes_per_element + 4)
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Latent KV bytes of one token over all layers."""
+        return self.num_layers * (self.kv_lora_rank + self.qk_rope_head_dim) * self.kv_bytes_per_element
+
+
+@dataclass(frozen=True)
+class PrefillCost:
+    """Prefill FLOPs over a rate: linear per token plus causal attention per (query, key) pair."""
+
+    linear_flops_per_token: float
+    flops_per_token_pair: float
+    flops_per_s: float
+
+    def __call__(self, input_len: int) -> float:
+        if input_len < 0:
+            raise ProfileError(f"prefill length must be >= 0, got {input_len}")
+        pairs = input_len * (input_len + 1) / 2
+        return (self.linear_flops_per_token * input_len + self.flops_per_token_pair * pairs) / self.flops_per_s
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Iteration cost
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class IterationCost:
+    """One decode iteration: its time and the per-phase split, per instance and for the slowest one.
+
+    per_instance[phase] is [num_instances] seconds over the whole iteration; the four phases of an instance sum to
+    total_s (its waiting for the lock-step barrier is counted in moe_a2a, as a profiler sees it).
+    slowest_layer[phase] is one MoE layer of the slowest instance (the one with the largest pre-dispatch time),
+    in seconds, with moe_a2a the pure dispatch + combine time.
+    """
+
+    total_s: float
+    per_instance: dict[str, np.ndarray]
+    slowest: int
+    slowest_layer: dict[str, float]
+
+    def slowest_breakdown(self) -> dict[str, float]:
+        return {p: float(self.per_instance[p][self.slowest]) for p in BREAKDOWN}
+
+
+@dataclass(frozen=True)
+class RouteCounts:
+    """Routed queries per layer: count[m, s] = queries sent from MoE instance m to shard instance s (m != s)."""
+
+    count: np.ndarray  # [I, I] int
+
+    @staticmethod
+    def from_pairs(pairs: Iterable[tuple[int, int]], num_instances: int) -> RouteCounts:
+        count = np.zeros((num_instances, num_instances), dtype=np.int64)
+        for m, s in pairs:
+            if m != s:
+                count[m, s] += 1
+        return RouteCounts(count)
+
+    @property
+    def total(self) -> int:
+        return int(self.count.sum() - np.trace(self.count))
+
+
+@dataclass
+class LatencyProfile:
+    name: str
+    kind: str
+    model: ModelShape
+    instances_per_node: int
+    links: dict[str, Link]
+    phases: dict[str, PhaseModel]
+    memory: dict[str, float]
+    prefill: PrefillCost | None
+    kv_transfer_link: str = "rdma"
+    kv_transfer_links: int = 1
+    raw: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    # -- loading ---------------------------------------------------------------------------------------------
+
+    @classmethod
+    def load(cls, name_or_path: str | os.PathLike) -> LatencyProfile:
+        """A profile by name (bench/profiles/<name>.json) or by path."""
+        path = Path(name_or_path)
+        if not path.is_file():
+            path = PROFILES_DIR / f"{name_or_path}.json"
+        if not path.is_file():
+            known = sorted(p.stem for p in PROFILES_DIR.glob("*.json"))
+            raise ProfileError(f"latency profile {name_or_path!r} not found (known: {', '.join(known)})")
+        try:
+            data = json.loads(path.read_text())
+        except json.JSONDecodeError as e:
+            raise ProfileError(f"{path}: not valid JSON ({e})") from None
+        return cls.from_dict(data)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> LatencyProfile:
+        if data.get("schema") != SCHEMA:
+            raise ProfileError(f"profile schema must be {SCHEMA!r}, got {data.get('schema')!r}")
+        unit = data.get("time_unit", "s")
+        if unit not in TIME_UNITS:
+            raise ProfileError(f"time_unit must be one of {sorted(TIME_UNITS)}, got {unit!r}")
+        scale = TIME_UNITS[unit]
+        try:
+            model = ModelShape(**{k: v for k, v in data["model"].items() if k != "name"})
+        except (KeyError, TypeError) as e:
+            raise ProfileError(f"bad or missing model section: {e}") from None
+        phases = {name: _parse_phase(name, spec, scale) for name, spec in data.get("phases", {}).items()}
+        missing = set(PHASE_FEATURES) - set(phases)
+        if missing:
+            raise ProfileError(f"profile {data.get('name')!r} lacks phases {sorted(missing)}")
+        cluster = data.get("cluster", {})
+        links = {}
+        for name in LINKS:
+            spec = cluster.get("links", {}).get(name)
+            if spec is None:
+                raise ProfileError(f"profile lacks link {name!r}")
+            links[name] = Link(spec["GBps"] * 1e9, spec["latency_us"] * 1e-6)
+        pre = data.get("prefill")
+        transfer = data.get("kv_transfer", {})
+        return cls(
+            name=data.get("name", "unnamed"),
+            kind=data.get("kind", "unknown"),
+            model=model,
+            instances_per_node=int(cluster.get("instances_per_node", 8)),
+            links=links,
+            phases=phases,
+            memory=dict(data.get("memory", {})),
+            prefill=PrefillCost(**pre) if pre else None,
+            kv_transfer_link=transfer.get("link", "rdma"),
+            kv_transfer_links=int(transfer.get("links", 1)),
+            raw=dict(data),
+        )
+
+    # -- per-phase functions (per layer, seconds; arrays broadcast) ------------------------------------------
+
+    def phase(self, name: str, num_instances: int) -> LinearCost:
+        return self.phases[name].at(num_instances)
+
+    def attention_time(self, kv_tokens: Any, shards: Any, num_instances: int = 1) -> Any:
+        """Partial attention over the instance's shards: fixed + per (request, shard) row + per KV token."""
+        return self.phase("attention", num_instances)(kv_tokens=kv_tokens, shards=shards)
+
+    def cp_comm_time(self, routes: RouteCounts, node_of: np.ndarray) -> np.ndarray:
+        """Per instance [I]: Q round + Res round over NVLink (same node) and RDMA (other nodes)."""
+        c = routes.count.astype(float)  # [I, I] queries m -> s
+        np.fill_diagonal(c, 0.0)
+        same = node_of[:, None] == node_of[None, :]  # [I, I]
+        link_counts = {
+            "nvlink": (np.where(same, c, 0).sum(1), np.where(same, c, 0).sum(0)),  # (sent [I], received [I])
+            "rdma": (np.where(same, 0, c).sum(1), np.where(same, 0, c).sum(0)),
+        }
+        q_round = np.zeros(len(c))
+        res_round = np.zeros(len(c))
+        for name, (sent, recv) in link_counts.items():
+            link = self.links[name]
+            q_round = np.maximum(q_round, link.time(self.model.q_bytes * np.maximum(sent, recv)))
+            # results flow back: an instance sends one result per query it received and vice versa
+            res_round = np.maximum(res_round, link.time(self.model.res_bytes * np.maximum(recv, sent)))
+        return q_round + res_round
+
+    def merge_time(self, partials: Any, num_instances: int = 1) -> Any:
+        return self.phase("merge", num_instances)(partials=partials)
+
+    def moe_a2a_time(self, max_batch: float, num_instances: int) -> tuple[float, float]:
+        """(dispatch, combine) per MoE layer, driven by the largest batch (lock-step)."""
+        return (
+            float(self.phase("moe_dispatch", num_instances)(batch=max_batch)),
+            float(self.phase("moe_combine", num_instances)(batch=max_batch)),
+        )
+
+    def kv_transfer_time(self, tokens: int, link: str | None = None, num_links: int | None = None) -> float:
+        """Moving a request's KV (all layers) from prefill to decode over `num_links` parallel links."""
+        if tokens < 0:
+            raise ProfileError(f"token count must be >= 0, got {tokens}")
+        name = link or self.kv_transfer_link
+        if name not in self.links:
+            raise ProfileError(f"unknown link {name!r} (known: {sorted(self.links)})")
+        n = num_links or self.kv_transfer_links
+        nbytes = tokens * self.model.kv_bytes_per_token
+        return float(self.links[name].time(nbytes / n)) if tokens else 0.0
+
+    def kv_capacity_tokens(self, num_instances: int) -> int:
+        """KV tokens per instance left after weights (experts split over EP) and reserves."""
+        m = self.memory
+        needed = ("hbm_bytes", "usable_fraction", "weights_replicated_bytes", "weights_expert_bytes")
+        if any(k not in m for k in needed):
+            raise ProfileError(f"profile {self.name!r} has no memory budget; pass kv_capacity_tokens explicitly")
+        free = (
+            m["hbm_bytes"] * m["usable_fraction"]
+            - m["weights_replicated_bytes"]
+            - m["weights_expert_bytes"] / num_instances
+            - m.get("reserve_bytes", 0.0)
+        )
+        if free <= 0:
+            raise ProfileError(f"{num_instances} instances of {self.name!r} leave no memory for KV")
+        return int(free // self.model.kv_bytes_per_token)
+
+    def prefill_time(self, input_len: int) -> float:
+        if self.prefill is None:
+            raise ProfileError(f"profile {self.name!r} has no prefill model")
+        return self.prefill(input_len)
+
+    # -- one iteration ---------------------------------------------------------------------------------------
+
+    def iteration_cost(
+        self,
+        kv_tokens: Sequence[float],
+        shards: Sequence[float],
+        batch: Sequence[float],
+        routes: RouteCounts | None = None,
+        node_of: Sequence[int] | None = None,
+    ) -> IterationCost:
+        """Cost of one iteration given per-instance KV tokens, shard rows and MoE batch ([I] each)."""
+        kv = np.asarray(kv_tokens, dtype=float)
+        rows = np.asarray(shards, dtype=float)
+        b = np.asarray(batch, dtype=float)
+        n = len(b)
+        if n == 0 or not len(kv) == len(rows) == n:
+            raise ProfileError(f"need equal non-empty per-instance arrays, got {len(kv)}, {len(rows)}, {n}")
+        nodes = np.arange(n) // self.instances_per_node if node_of is None else np.asarray(node_of)
+        attn = self.attention_time(kv, rows, n)  # [I]
+        cp = np.zeros(n)
+        if routes is not None and routes.total:
+            partials = routes.count.sum(1) - np.diag(routes.count)  # remote partials merged at each MoE instance
+            cp = self.cp_comm_time(routes, nodes) + self.merge_time(partials, n)
+        dense = self.phase("dense", n)(batch=b)
+        shared = self.phase("shared_expert", n)(batch=b)
+        mlp = self.phase("dense_mlp", n)(batch=b)
+        iter_local = self.phase("iteration", n)(batch=b)
+        dispatch, combine = self.moe_a2a_time(float(b.max()), n)
+        expert = float(self.phase("expert", n)(batch=float(b.mean())))
+        n_moe, n_dense = self.model.num_moe_layers, self.model.num_dense_layers
+
+        pre = attn + cp + dense + shared  # [I] MoE layer up to dispatch
+        dlayer = attn + cp + dense + mlp  # [I] dense layer
+        a2a = dispatch + combine
+        if n_moe > 0:
+            total = float((n_dense * dlayer + pre).max()) + (n_moe - 1) * float(pre.max()) + n_moe * (a2a + expert)
+        else:
+            total = float((n_dense * dlayer).max())
+        total += float(iter_local.max())
+
+        n_layers = n_moe + n_dense
+        other = n_dense * (dense + mlp) + n_moe * (dense + shared + expert) + iter_local
+        per_instance = {"attention": n_layers * attn, "cp_comm": n_layers * cp, "other": other}
+        per_instance["moe_a2a"] = total - per_instance["attention"] - per_instance["cp_comm"] - other
+        slowest = int(np.argmax(pre if n_moe > 0 else dlayer))
+        slowest_layer = {
+            "attention": float(attn[slowest]),
+            "cp_comm": float(cp[slowest]),
+            "moe_a2a": a2a if n_moe > 0 else 0.0,
+            "other": float(dense[slowest] + (shared[slowest] + expert if n_moe > 0 else mlp[slowest])),
+        }
+        return IterationCost(total, per_instance, slowest, slowest_layer)
+
+    def ideal_iteration_time(self, total_kv_tokens: float, total_batch: float, num_instances: int) -> float:
+        """The same work perfectly balanced (mean KV, mean batch, one shard per request) with no CP traffic."""
+        kv = np.full(num_instances, total_kv_tokens / num_instances)
+        b = np.full(num_instances, total_batch / num_instances)
+        return self.iteration_cost(kv, b, b).total_s
+
+
+def _parse_phase(name: str, spec: Mapping[str, Any], scale: float) -> PhaseModel:
+    if name not in PHASE_FEATURES:
+        raise ProfileError(f"unknown phase {name!r} (known: {sorted(PHASE_FEATURES)})")
+    table = spec["by_ep"] if "by_ep" in spec else {"0": spec}
+    by_ep = {}
+    for ep, coefs in table.items():
+        unknown = set(coefs) - {"const", *PHASE_FEATURES[name]}
+        if unknown:
+            raise ProfileError(f"phase {name!r} has unknown coefficients {sorted(unknown)}")
+        by_ep[int(ep)] = LinearCost(
+            float(coefs.get("const", 0.0)) * scale,
+            {f: float(coefs[f]) * scale for f in PHASE_FEATURES[name] if f in coefs},
+        )
+    return PhaseModel(name, by_ep)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Fitting a profile from measured per-phase timings
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _nonnegative_lstsq(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """argmin ||x c - y|| subject to c >= 0, exactly, by trying every support (phases have <= 3 columns)."""
+    best, best_err = np.zeros(x.shape[1]), float(np.sum(y**2))
+    for k in range(1, x.shape[1] + 1):
+        for support in itertools.combinations(range(x.shape[1]), k):
+            cols = list(support)
+            sol, *_ = np.linalg.lstsq(x[:, cols], y, rcond=None)
+            if (sol < 0).any():
+                continue
+            err = float(np.sum((x[:, cols] @ sol - y) ** 2))
+            if err < best_err - 1e-18:
+                best, best_err = np.zeros(x.shape[1]), err
+                best[cols] = sol
+    return best
+
+
+def fit_linear_cost(records: Sequence[Mapping[str, Any]], features: Sequence[str]) -> dict[str, float]:
+    """Least-squares `const` and per-feature coefficients (all >= 0) from records with those keys + seconds."""
+    if len(records) < len(features) + 1:
+        raise ProfileError(f"need at least {len(features) + 1} records to fit {list(features)}, got {len(records)}")
+    try:
+        x = np.array([[1.0] + [float(r[f]) for f in features] for r in records])  # [N, 1 + F]
+        y = np.array([float(r["seconds"]) for r in records])  # [N]
+    except KeyError as e:
+        raise ProfileError(f"timing record lacks {e}") from None
+    coef = _nonnegative_lstsq(x, y)
+    return {"const": float(coef[0])} | {f: float(c) for f, c in zip(features, coef[1:])}
+
+
+def fit_profile_from_timing_log(
+    records: Iterable[Mapping[str, Any]],
+    base: LatencyProfile | Mapping[str, Any],
+    name: str = "cpu-tiny",
+) -> dict[str, Any]:
+    """Fit every phase's coefficients from per-phase timing records; returns a profile dict (time_unit "s").
+
+    A record is a dict with `phase` (a name of PHASE_FEATURES, or `cp_comm`), `seconds`, and that phase's
+    features (kv_tokens, shards, batch, partials; for cp_comm: `bytes` and `link` nvlink|rdma). Phases or links
+    without records keep the coefficients of `base` (a profile or profile dict: model shape, memory, prefill).
+    """
+    base_dict = dict(base.raw if isinstance(base, LatencyProfile) else base)
+    by_phase: dict[str, list[Mapping[str, Any]]] = {}
+    for r in records:
+        by_phase.setdefault(str(r.get("phase")), []).append(r)
+    unknown = set(by_phase) - set(PHASE_FEATURES) - {"cp_comm"}
+    if unknown:
+        raise ProfileError(f"timing records name unknown phases {sorted(unknown)}")
+
+    base_profile = LatencyProfile.from_dict(base_dict)
+    phases: dict[str, Any] = {}
+    for phase, feats in PHASE_FEATURES.items():
+        if phase in by_phase:
+            phases[phase] = fit_linear_cost(by_phase[phase], feats)
+        else:  # keep the base's coefficients, converted to seconds
+            table = {str(ep): {"const": c.const} | dict(c.coefs) for ep, c in base_profile.phases[phase].by_ep.items()}
+            phases[phase] = next(iter(table.values())) if len(table) == 1 else {"by_ep": table}
+    links = {
+        n: {"GBps": link.bandwidth_Bps / 1e9, "latency_us": link.latency_s * 1e6}
+        for n, link in base_profile.links.items()
+    }
+    for link_name in LINKS:
+        recs = [r for r in by_phase.get("cp_comm", []) if r.get("link", "nvlink") == link_name]
+        if not recs:
+            continue
+        fit = fit_linear_cost(recs, ("bytes",))
+        if fit["bytes"] <= 0:
+            raise ProfileError(f"cp_comm records over {link_name} do not grow with bytes; cannot fit a bandwidth")
+        links[link_name] = {"GBps": 1.0 / fit["bytes"] / 1e9, "latency_us": fit["const"] * 1e6}
+
+    out = dict(base_dict)
+    out.update(
+        name=name,
+        kind="measured",
+        time_unit="s",
+        phases=phases,
+        cluster=dict(base_dict.get("cluster", {})) | {"links": links},
+        provenance={
+            "phases": f"least-squares fit (coefficients >= 0) of {sum(map(len, by_phase.values()))} "
+            "timing records from the CPU data plane; unfitted phases copied from the base profile"
+        },
+    )
+    return out
