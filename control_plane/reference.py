@@ -199,6 +199,10 @@ class ReferenceCore:
             return True
         return self.pages.free_frames(instance) > 0
 
+    def _batch_open(self, instance: int) -> bool:
+        """Can one more request's MoE binding move to `instance` (max_batch_per_instance, 0 = unbounded)?"""
+        return not self.max_batch or self.moe_batch[instance] < self.max_batch
+
     def _least_kv(self, candidates) -> int:
         best = -1
         for i in candidates:
@@ -216,7 +220,7 @@ class ReferenceCore:
             list(range(self.spec.num_instances)),
         )
         for tier in tiers:
-            target = self._least_kv([i for i in tier if self._has_room(req, i)])
+            target = self._least_kv([i for i in tier if self._has_room(req, i) and self._batch_open(i)])
             if target >= 0:
                 return target
         return -1
@@ -282,7 +286,7 @@ class ReferenceCore:
         self.waiting = still_waiting
 
     def _can_allocate(self, moe: int, split: dict[int, int]) -> bool:
-        if self.max_batch and self.moe_batch[moe] >= self.max_batch:
+        if not self._batch_open(moe):
             return False
         page = self.spec.page_size
         return all(-(-n // page) <= self.pages.free_frames(i) for i, n in split.items())

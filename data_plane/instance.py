@@ -1,0 +1,296 @@
+"""One DP-EP decode instance: paged latent KV pool, its slice of the experts, and the decode step.
+
+Per layer, for the iteration's routing table (control_plane/lowering.py):
+  1. projection + Q-routing: queries of the requests whose MoE binding is here; the new token's KV is written
+     into the request's tail shard here; queries go to the other instances of each request's KV binding;
+  2. paged attention over the local shards -> (o, lse) per (request, shard);
+  3. Res-routing: partial results of remote requests go back to their MoE instance;
+  4. LSE merge of all partials of the local requests, W_UV + o_proj, residual;
+  5. FFN: dense MLP, or MoE gate -> dispatch -> local experts -> weighted combine (+ shared expert).
+Every instance runs every layer (the MoE all-to-all is a barrier), also with an empty batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from nanocp.comm.fabric import Fabric
+from nanocp.comm.moe_dispatch import LowLatencyDispatcher
+from nanocp.comm.routing import RoutingBackend
+from nanocp.control_plane.lowering import RoutingTables
+from nanocp.models import (
+    DeepseekV3Weights,
+    dense_mlp,
+    embed,
+    expert_ffn,
+    logits,
+    merge_attention_partials,
+    mla_decode_output,
+    mla_decode_qkv,
+    mla_paged_attention_with_lse,
+    moe_gate,
+    post_attention_norm,
+    shared_expert,
+)
+
+from .kv_pool import PagedKVPool
+from .sampling import SamplingParams, sample_token
+from .timing import TimingLog
+
+
+@dataclass(frozen=True)
+class InstanceLimits:
+    """Static upper bounds that size the receive buffers (the graph engine's pool uses the same bounds)."""
+
+    max_moe_batch: int  # requests whose MoE binding is one instance
+    max_q_recv: int  # queries received from other instances
+    max_res_recv: int  # partial results received from other instances
+
+
+@dataclass
+class RowInput:
+    """What the driver gives an instance for one of its MoE rows."""
+
+    token: int
+    params: SamplingParams
+    output_index: int  # index of the token this iteration produces in the request's output
+    fallback_seed: int
+
+
+@dataclass
+class RowOutput:
+    batch_index: int
+    token: int
+    logits: torch.Tensor | None  # [vocab] when requested
+
+
+class DecodeInstance:
+    def __init__(
+        self,
+        rank: int,
+        model: DeepseekV3Weights,
+        pool: PagedKVPool,
+        fabric: Fabric,
+        limits: InstanceLimits,
+        timeout_s: float = 30.0,
+        timing: TimingLog | None = None,
+    ) -> None:
+        c = model.config
+        self.rank = rank
+        self.model = model
+        self.pool = pool
+        self.fabric = fabric
+        self.limits = limits
+        self.timeout_s = timeout_s
+        self.timing = timing or TimingLog(enabled=False)
+        dtype = model.embed_tokens.dtype
+        heads, dqk, dv = c.num_attention_heads, c.kv_cache_dim, c.kv_lora_rank
+        # Registration order is collective: every instance builds the same buffers in the same order.
+        self.q_route = RoutingBackend(fabric, "q", max(1, limits.max_q_recv), (heads, dqk), dtype, timeout_s)
+        self.o_route = RoutingBackend(fabric, "res_o", max(1, limits.max_res_recv), (heads, dv), dtype, timeout_s)
+        self.lse_route = RoutingBackend(
+            fabric, "res_lse", max(1, limits.max_res_recv), (heads,), torch.float32, timeout_s
+        )
+        self.dispatcher = None
+        if any(layer.moe is not None for layer in model.layers):
+            self.dispatcher = LowLatencyDispatcher(
+                fabric, c.n_routed_experts, c.hidden_size, limits.max_moe_batch, dtype, "moe", timeout_s
+            )
+            lx = self.dispatcher.local_experts
+            self.local_experts = range(rank * lx, (rank + 1) * lx)
+            missing = set(self.local_experts) - model.expert_ids
+            if missing:
+                raise ValueError(f"instance {rank} must hold experts {sorted(missing)}")
+        self._seq = 0
+
+    # ------------------------------------------------------------------ one decode iteration
+
+    @torch.no_grad()
+    def run_iteration(
+        self, table: RoutingTables, rows: dict[int, RowInput], return_logits: bool = False
+    ) -> list[RowOutput]:
+        """Run every layer for this instance's part of the plan; sample the local MoE rows."""
+        if table.instance != self.rank:
+            raise ValueError(f"instance {self.rank} got the routing table of instance {table.instance}")
+        shape = table.shape
+        if shape.moe_batch > self.limits.max_moe_batch or shape.q_recv > self.limits.max_q_recv:
+            raise ValueError(f"instance {self.rank}: iteration shape {shape} exceeds its limits {self.limits}")
+        if shape.res_recv > self.limits.max_res_recv:
+            raise ValueError(f"instance {self.rank}: iteration shape {shape} exceeds its limits {self.limits}")
+        moe = torch.from_numpy(table.moe).long()  # [m, 3]: batch index, position, local shard
+        shards = torch.from_numpy(table.shards).long()  # [s, 5]
+        missing = [int(b) for b in moe[:, 0] if int(b) not in rows]
+        if missing:
+            raise ValueError(f"instance {self.rank}: no input for batch rows {missing}")
+        ctx = dict(
+            iteration=table.iteration,
+            instance=self.rank,
+            moe_batch=shape.moe_batch,
+            shard_rows=shape.shard_rows,
+            kv_tokens=int(shards[:, 2].sum()) if len(shards) else 0,
+            q_recv=shape.q_recv,
+            res_recv=shape.res_recv,
+        )
+        step = _StepTables.build(table, moe, shards, self.pool.page_size)
+        device = self.model.embed_tokens.device
+        tokens = torch.tensor([rows[int(b)].token for b in moe[:, 0]], dtype=torch.int64, device=device)
+        h = embed(self.model, tokens) if len(tokens) else self._empty_hidden()  # [m, D]
+        for layer in self.model.layers:
+            h = self._layer(layer, h, step, ctx)
+        with self.timing.phase("sampling", -1, ctx):
+            out = self._sample(h, moe, rows, return_logits)
+        return out
+
+    def _empty_hidden(self) -> torch.Tensor:
+        e = self.model.embed_tokens
+        return e.new_zeros(0, e.shape[1])
+
+    def _layer(self, layer, h: torch.Tensor, step: _StepTables, ctx: dict) -> torch.Tensor:
+        c, i = self.model.config, layer.index
+        timing = self.timing
+        with timing.phase("projection", i, ctx):
+            q_latent, kv_new = mla_decode_qkv(layer, h, step.positions)  # [m, H, Dqk], [m, Dkv]
+            if len(kv_new):
+                self.pool.write_tokens(i, step.new_frames, step.new_slots, kv_new)
+        seq = self._next_seq()
+        with timing.phase("q_route", i, ctx):
+            q_recv = self.q_route.route(step.q_send, q_latent, step.q_sources, seq, self.timeout_s)
+        with timing.phase("attention", i, ctx):
+            # Shard queries: local ones from this instance's rows, remote ones from the receive buffer.
+            q_shard = torch.empty(len(step.shard_q_local), *q_latent.shape[1:], dtype=q_latent.dtype)
+            if len(step.local_shard_idx):
+                q_shard[step.local_shard_idx] = q_latent[step.local_shard_moe_row]
+            if len(step.remote_shard_idx):
+                q_shard[step.remote_shard_idx] = q_recv[step.remote_shard_q_row]
+            o, lse = mla_paged_attention_with_lse(
+                q_shard, self.pool.kv[i], step.block_table, step.shard_lens, self.model.softmax_scale, c.kv_lora_rank
+            )  # [s, H, kv_lora], [s, H]
+        with timing.phase("res_route", i, ctx):
+            o_recv = self.o_route.route(step.res_send, o, step.res_sources, seq, self.timeout_s)
+            lse_recv = self.lse_route.route(step.res_send, lse, step.res_sources, seq, self.timeout_s)
+        with timing.phase("merge", i, ctx):
+            o_parts = torch.cat([o[step.merge_local_shard], o_recv[: step.n_res_recv]])  # [m + r, H, kv_lora]
+            lse_parts = torch.cat([lse[step.merge_local_shard], lse_recv[: step.n_res_recv]])
+            o_merged = _merge_by_row(o_parts, lse_parts, step.merge_row, len(h))
+            h = h + mla_decode_output(layer, o_merged)
+        x = post_attention_norm(layer, h)
+        if layer.moe is None:
+            with timing.phase("dense", i, ctx):
+                return h + dense_mlp(layer, x)
+        return h + self._moe(layer, x, ctx)
+
+    def _moe(self, layer, x: torch.Tensor, ctx: dict) -> torch.Tensor:
+        timing, i = self.timing, layer.index
+        with timing.phase("dispatch", i, ctx):
+            topk_idx, topk_weights = moe_gate(layer, x)  # [m, k]
+            recv_x, _, handle = self.dispatcher.dispatch(x, topk_idx)
+        with timing.phase("experts", i, ctx):
+            y = torch.zeros_like(recv_x)  # [local_experts, ranks * max, D]
+            mt = self.dispatcher.max_tokens
+            for local, expert_id in enumerate(self.local_experts):
+                for src, n in enumerate(handle.recv_layout[:, local].tolist()):
+                    if n:
+                        rows = slice(src * mt, src * mt + n)
+                        y[local, rows] = expert_ffn(layer.moe.experts[expert_id], recv_x[local, rows])
+        with timing.phase("combine", i, ctx):
+            routed = self.dispatcher.combine(y, topk_idx, topk_weights, handle)
+            return routed + shared_expert(layer, x)
+
+    def _sample(self, h: torch.Tensor, moe: torch.Tensor, rows: dict[int, RowInput], keep: bool) -> list[RowOutput]:
+        if not len(h):
+            return []
+        step_logits = logits(self.model, h)  # [m, vocab]
+        out = []
+        for r, batch_index in enumerate(moe[:, 0].tolist()):
+            inp = rows[batch_index]
+            token = sample_token(step_logits[r], inp.params, inp.output_index, inp.fallback_seed)
+            out.append(RowOutput(batch_index, token, step_logits[r].clone() if keep else None))
+        return out
+
+    def _next_seq(self) -> int:
+        self._seq += 1
+        return self._seq
+
+
+def _merge_by_row(o_parts: torch.Tensor, lse_parts: torch.Tensor, row: torch.Tensor, m: int) -> torch.Tensor:
+    """Merge partials o_parts [P, H, Dv] / lse_parts [P, H] that belong to moe rows row [P] -> o [m, H, Dv]."""
+    if m == 0:
+        return o_parts.new_zeros(0, *o_parts.shape[1:])
+    counts = torch.bincount(row, minlength=m)
+    k = int(counts.max())
+    # Pack into [k, m, ...] with -inf padding so merge_attention_partials merges each row's parts.
+    slot = torch.zeros_like(row)
+    order = torch.argsort(row, stable=True)
+    starts = torch.cumsum(counts, 0) - counts
+    slot[order] = torch.arange(len(row)) - starts[row[order]]
+    o_pad = o_parts.new_zeros(k, m, *o_parts.shape[1:])
+    lse_pad = lse_parts.new_full((k, m, lse_parts.shape[1]), float("-inf"))
+    o_pad[slot, row] = o_parts
+    lse_pad[slot, row] = lse_parts
+    return merge_attention_partials(o_pad, lse_pad)[0]
+
+
+@dataclass
+class _StepTables:
+    """The routing table turned into index tensors once per iteration (shared by every layer)."""
+
+    positions: torch.Tensor  # [m] position of each moe row's new token
+    new_frames: torch.Tensor  # [m] frame of the new token's KV slot
+    new_slots: torch.Tensor  # [m] slot inside that frame
+    q_send: torch.Tensor  # [n, 3] (dst, src moe row, dst row)
+    q_sources: list[int]
+    shard_q_local: torch.Tensor  # [s] bool
+    local_shard_idx: torch.Tensor
+    local_shard_moe_row: torch.Tensor
+    remote_shard_idx: torch.Tensor
+    remote_shard_q_row: torch.Tensor
+    block_table: torch.Tensor  # [s, max_blocks]
+    shard_lens: torch.Tensor  # [s]
+    res_send: torch.Tensor  # [n, 3] (dst, src shard, dst row)
+    res_sources: list[int]
+    n_res_recv: int
+    merge_local_shard: torch.Tensor  # [m] local shard index per moe row
+    merge_row: torch.Tensor  # [m + r] moe row of each partial (local ones first, then received rows)
+
+    @classmethod
+    def build(cls, t: RoutingTables, moe: torch.Tensor, shards: torch.Tensor, page_size: int) -> _StepTables:
+        blocks = torch.from_numpy(t.blocks).long()
+        n_shards = len(shards)
+        max_blocks = int(shards[:, 4].max()) if n_shards else 0
+        block_table = torch.zeros(n_shards, max(1, max_blocks), dtype=torch.int64)
+        for s in range(n_shards):
+            offset, count = int(shards[s, 3]), int(shards[s, 4])
+            block_table[s, :count] = blocks[offset : offset + count]
+        # The new token is the last token of the moe row's local (tail) shard.
+        tail = moe[:, 2]
+        tail_slot = shards[tail, 2] - 1 if len(moe) else torch.zeros(0, dtype=torch.int64)
+        new_frames = block_table[tail, tail_slot // page_size] if len(moe) else tail_slot
+        local = shards[:, 1] < 0 if n_shards else torch.zeros(0, dtype=torch.bool)
+        shard_to_moe_row = torch.full((n_shards,), -1, dtype=torch.int64)
+        shard_to_moe_row[tail] = torch.arange(len(moe))
+        q_send = torch.from_numpy(t.q_send).long()
+        res_send = torch.from_numpy(t.res_send).long()
+        res_recv = torch.from_numpy(t.res_recv).long()
+        local_idx = torch.nonzero(local).flatten()
+        remote_idx = torch.nonzero(~local).flatten()
+        return cls(
+            positions=moe[:, 1],
+            new_frames=new_frames,
+            new_slots=tail_slot % page_size,
+            q_send=q_send[:, [1, 0, 2]] if len(q_send) else q_send.reshape(0, 3),
+            q_sources=sorted({int(s) for s in t.q_recv[:, 0]}),
+            shard_q_local=local,
+            local_shard_idx=local_idx,
+            local_shard_moe_row=shard_to_moe_row[local_idx],
+            remote_shard_idx=remote_idx,
+            remote_shard_q_row=shards[remote_idx, 1],
+            block_table=block_table,
+            shard_lens=shards[:, 2] if n_shards else torch.zeros(0, dtype=torch.int64),
+            res_send=res_send[:, [1, 0, 2]] if len(res_send) else res_send.reshape(0, 3),
+            res_sources=sorted({int(s) for s in t.res_recv[:, 0]}),
+            n_res_recv=len(res_recv),
+            merge_local_shard=tail,
+            merge_row=torch.cat([torch.arange(len(moe)), res_recv[:, 1] if len(res_recv) else res_recv.reshape(0)]),
+        )
