@@ -78,7 +78,7 @@ class ModelConfig:
     topk_group: int
     routed_scaling_factor: float
     norm_topk_prob: bool
-    first_k_dense_replace: int
+    first_k_dense_replace: int  # layers [0, first_k_dense_replace) are dense (all of them when >= the layer count)
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     rope_scaling: YarnScaling | None = None
@@ -108,10 +108,8 @@ class ModelConfig:
             raise ConfigError(f"q_lora_rank must be > 0 or None, got {self.q_lora_rank}")
         if self.qk_rope_head_dim % 2:
             raise ConfigError(f"qk_rope_head_dim must be even, got {self.qk_rope_head_dim}")
-        if not 0 <= self.first_k_dense_replace <= self.num_hidden_layers:
-            raise ConfigError(
-                f"first_k_dense_replace={self.first_k_dense_replace} outside [0, {self.num_hidden_layers}]"
-            )
+        if self.first_k_dense_replace < 0:
+            raise ConfigError(f"first_k_dense_replace must be >= 0, got {self.first_k_dense_replace}")
         if self.first_k_dense_replace > 0 and self.intermediate_size <= 0:
             raise ConfigError("intermediate_size must be > 0 when there are dense layers")
         if self.num_moe_layers > 0:
@@ -165,7 +163,7 @@ class ModelConfig:
 
     @property
     def num_moe_layers(self) -> int:
-        return self.num_hidden_layers - self.first_k_dense_replace
+        return max(0, self.num_hidden_layers - self.first_k_dense_replace)
 
     @property
     def eos_token_id(self) -> int:

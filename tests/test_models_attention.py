@@ -1,0 +1,202 @@
+"""MLA: absorbed decode equals the non-absorbed math; partial attentions over any split of the KV merge exactly."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from nanocp.models import (
+    ContiguousKVCache,
+    decode_step,
+    load_model,
+    merge_attention_partials,
+    mla_attention_with_lse,
+    mla_decode_output,
+    mla_decode_qkv,
+    mla_expand_kv,
+    mla_paged_attention_with_lse,
+    mla_prefill_attention_with_lse,
+    mla_prefill_output,
+    mla_prefill_qkv,
+    prefill_forward,
+)
+
+MODEL = load_model("tiny")
+CONFIG = MODEL.config
+DQK, DV = CONFIG.kv_cache_dim, CONFIG.kv_lora_rank
+HEADS = CONFIG.num_attention_heads
+
+
+def _random_kv_rows(layer, n: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Realistic latent KV rows: the layer's own projection of random hidden states at random positions."""
+    h = torch.randn(n, CONFIG.hidden_size, generator=gen)
+    positions = torch.randperm(4 * n + 8, generator=gen)[:n]
+    _, kv = mla_decode_qkv(layer, h, positions)
+    return kv, positions
+
+
+@pytest.mark.parametrize("layer_idx", range(CONFIG.num_hidden_layers))
+def test_absorbed_decode_equals_non_absorbed_attention(layer_idx):
+    gen = torch.Generator().manual_seed(layer_idx)
+    layer = MODEL.layers[layer_idx]
+    kv, kv_positions = _random_kv_rows(layer, 37, gen)
+    h = torch.randn(5, CONFIG.hidden_size, generator=gen)
+    q_positions = kv_positions.max() + 1 + torch.randint(0, 50, (5,), generator=gen)  # sees every key
+    scale = MODEL.softmax_scale
+
+    q_latent, kv_new = mla_decode_qkv(layer, h, q_positions)
+    o_latent, lse_absorbed = mla_attention_with_lse(q_latent, kv.expand(5, -1, -1), torch.full((5,), 37), scale, DV)
+    absorbed = mla_decode_output(layer, o_latent)
+
+    q, kv_new_prefill = mla_prefill_qkv(layer, h, q_positions)
+    k, v = mla_expand_kv(layer, kv)
+    o, lse_plain = mla_prefill_attention_with_lse(q, k, v, q_positions, kv_positions, scale)
+    plain = mla_prefill_output(layer, o)
+
+    assert torch.equal(kv_new, kv_new_prefill)
+    torch.testing.assert_close(lse_absorbed, lse_plain, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(absorbed, plain, rtol=1e-5, atol=1e-5 * plain.abs().max().item())
+
+
+def _full_and_sharded(lens: list[int], shard_of_token: list[list[int]], num_shards: int, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    b, n = len(lens), max(max(lens), 1)
+    q = torch.randn(b, HEADS, DQK, generator=gen)
+    kv = torch.randn(b, n, DQK, generator=gen)
+    scale = 0.3
+    full = mla_attention_with_lse(q, kv, torch.tensor(lens), scale, DV)
+    os, lses = [], []
+    for s in range(num_shards):
+        shard_lens = [sum(1 for t in range(lens[r]) if shard_of_token[r][t] == s) for r in range(b)]
+        shard_kv = torch.zeros(b, n, DQK)
+        for r in range(b):
+            rows = [t for t in range(lens[r]) if shard_of_token[r][t] == s]
+            shard_kv[r, : len(rows)] = kv[r, rows]
+        o, lse = mla_attention_with_lse(q, shard_kv, torch.tensor(shard_lens), scale, DV)
+        os.append(o)
+        lses.append(lse)
+    return full, merge_attention_partials(torch.stack(os), torch.stack(lses))
+
+
+@st.composite
+def _splits(draw):
+    num_shards = draw(st.integers(1, 5))
+    lens = draw(st.lists(st.integers(0, 24), min_size=1, max_size=4))
+    shard_of_token = [draw(st.lists(st.integers(0, num_shards - 1), min_size=n, max_size=n)) for n in lens]
+    return lens, shard_of_token, num_shards, draw(st.integers(0, 2**16))
+
+
+@settings(max_examples=60, deadline=None)
+@given(_splits())
+def test_lse_merge_of_any_kv_split_equals_whole_attention(split):
+    """Tokens go to shards arbitrarily (keys carry their own positions), shards may be empty."""
+    lens, shard_of_token, num_shards, seed = split
+    (o_full, lse_full), (o_merged, lse_merged) = _full_and_sharded(lens, shard_of_token, num_shards, seed)
+    assert not torch.isnan(o_merged).any() and not torch.isnan(lse_merged).any()
+    torch.testing.assert_close(lse_merged, lse_full, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(o_merged, o_full, rtol=1e-5, atol=1e-5)
+    for r, n in enumerate(lens):
+        if n == 0:  # no KV at all: o = 0, lse = -inf
+            assert torch.all(o_merged[r] == 0) and torch.all(lse_merged[r] == -math.inf)
+
+
+def test_empty_kv_gives_zero_output_and_minus_inf_lse():
+    q = torch.randn(2, HEADS, DQK)
+    o, lse = mla_attention_with_lse(q, torch.randn(2, 0, DQK), torch.zeros(2, dtype=torch.int64), 0.1, DV)
+    assert o.shape == (2, HEADS, DV) and torch.all(o == 0) and torch.all(lse == -math.inf)
+    o2, lse2 = mla_attention_with_lse(q, torch.randn(2, 9, DQK), torch.tensor([0, 3]), 0.1, DV)
+    assert torch.all(o2[0] == 0) and torch.all(lse2[0] == -math.inf) and torch.isfinite(lse2[1]).all()
+
+
+def test_merge_with_one_part_is_identity_and_all_empty_stays_empty():
+    o = torch.randn(1, 3, HEADS, DV)
+    lse = torch.randn(1, 3, HEADS)
+    merged_o, merged_lse = merge_attention_partials(o, lse)
+    assert torch.equal(merged_lse, lse[0])
+    torch.testing.assert_close(merged_o, o[0], rtol=0, atol=1e-7)
+    empty_o, empty_lse = merge_attention_partials(torch.zeros(3, 2, HEADS, DV), torch.full((3, 2, HEADS), -math.inf))
+    assert torch.all(empty_o == 0) and torch.all(empty_lse == -math.inf)
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    lens=st.lists(st.integers(0, 40), min_size=1, max_size=4),
+    page_size=st.sampled_from([1, 4, 16]),
+    seed=st.integers(0, 2**16),
+)
+def test_paged_attention_equals_contiguous(lens, page_size, seed):
+    gen = torch.Generator().manual_seed(seed)
+    b = len(lens)
+    max_blocks = max(1, max(-(-n // page_size) for n in lens))
+    kv = torch.randn(b, max_blocks * page_size, DQK, generator=gen)
+    pages = torch.randn(b * max_blocks + 3, page_size, DQK, generator=gen)  # extra pages hold garbage
+    table = torch.full((b, max_blocks), -1, dtype=torch.int32)
+    frames = torch.randperm(pages.shape[0], generator=gen)
+    for r, n in enumerate(lens):
+        for j in range(-(-n // page_size)):
+            frame = int(frames[r * max_blocks + j])
+            pages[frame] = kv[r, j * page_size : (j + 1) * page_size]
+            table[r, j] = frame
+    q = torch.randn(b, HEADS, DQK, generator=gen)
+    o_ref, lse_ref = mla_attention_with_lse(q, kv, torch.tensor(lens), 0.2, DV)
+    o, lse = mla_paged_attention_with_lse(q, pages, table, torch.tensor(lens), 0.2, DV)
+    assert torch.equal(lse, lse_ref) and torch.equal(o, o_ref)
+
+
+@settings(max_examples=25, deadline=None)
+@given(cuts=st.lists(st.integers(0, 30), min_size=0, max_size=4), seed=st.integers(0, 2**16))
+def test_prefill_attention_chunks_of_keys_merge_to_causal_attention(cuts, seed):
+    """Ring attention: keys split into chunks, each chunk's causal partial merged by LSE."""
+    gen = torch.Generator().manual_seed(seed)
+    t = 30
+    q = torch.randn(t, HEADS, CONFIG.qk_head_dim, generator=gen)
+    k = torch.randn(t, HEADS, CONFIG.qk_head_dim, generator=gen)
+    v = torch.randn(t, HEADS, CONFIG.v_head_dim, generator=gen)
+    positions = torch.arange(t)
+    o_full, lse_full = mla_prefill_attention_with_lse(q, k, v, positions, positions, 0.25)
+    bounds = [0, *sorted(cuts), t]
+    partials = [
+        mla_prefill_attention_with_lse(q, k[a:b], v[a:b], positions, positions[a:b], 0.25)
+        for a, b in zip(bounds, bounds[1:])
+    ]
+    o, lse = merge_attention_partials(torch.stack([p[0] for p in partials]), torch.stack([p[1] for p in partials]))
+    torch.testing.assert_close(lse, lse_full, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(o, o_full, rtol=1e-5, atol=1e-5)
+
+
+def test_chunked_prefill_with_past_kv_equals_whole_prompt():
+    tokens = torch.randint(0, 256, (23,), generator=torch.Generator().manual_seed(3))
+    whole = prefill_forward(MODEL, tokens)
+    first = prefill_forward(MODEL, tokens[:9])
+    second = prefill_forward(MODEL, tokens[9:], past_kv=first.kv)
+    torch.testing.assert_close(torch.cat([first.kv, second.kv], dim=1), whole.kv, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(second.logits, whole.logits[9:], rtol=1e-5, atol=1e-5 * whole.logits.abs().max())
+
+
+def test_batched_decode_equals_one_request_at_a_time():
+    """Requests of different lengths share a batch; padding rows of shorter requests never leak in."""
+    gen = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(0, 256, (n,), generator=gen) for n in (3, 17, 9)]
+    nexts = torch.randint(0, 256, (3, 4), generator=gen)
+    batch = ContiguousKVCache.from_prefill([prefill_forward(MODEL, p).kv for p in prompts], capacity=24)
+    batched = [decode_step(MODEL, batch, nexts[:, s]) for s in range(4)]
+    for r, prompt in enumerate(prompts):
+        alone = ContiguousKVCache.from_prefill([prefill_forward(MODEL, prompt).kv], capacity=24)
+        for s in range(4):
+            single = decode_step(MODEL, alone, nexts[r, s : s + 1])[0]
+            torch.testing.assert_close(batched[s][r], single, rtol=1e-5, atol=1e-5 * single.abs().max())
+    assert batch.lens.tolist() == [7, 21, 13]
+
+
+def test_decode_step_rejects_bad_tokens_and_full_cache():
+    cache = ContiguousKVCache.from_prefill([prefill_forward(MODEL, torch.tensor([1, 2])).kv], capacity=2)
+    with pytest.raises(ValueError, match="capacity"):
+        decode_step(MODEL, cache, torch.tensor([5]))
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        prefill_forward(MODEL, torch.tensor([1, CONFIG.vocab_size]))
+    with pytest.raises(ValueError, match="past_kv"):
+        prefill_forward(MODEL, torch.tensor([1]), past_kv=torch.zeros(1, 2, DQK))

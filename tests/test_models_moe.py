@@ -1,0 +1,169 @@
+"""DeepSeek MoE: group-limited gate against brute force, weight scaling, expert-parallel partial sums."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from nanocp.models import (
+    MoEWeights,
+    expert_ffn,
+    load_model,
+    moe_forward_reference,
+    moe_gate,
+    moe_routed_partial,
+    random_weights,
+    shared_expert,
+)
+
+MODEL = load_model("tiny")
+CONFIG = MODEL.config
+MOE_LAYER = MODEL.layers[CONFIG.first_k_dense_replace]
+
+
+def _gate_layer(n_experts, n_group, topk_group, k, norm, scaling, seed):
+    """The tiny model's MoE layer with a different gate config and random gate weights / bias."""
+    gen = torch.Generator().manual_seed(seed)
+    config = dataclasses.replace(
+        CONFIG,
+        n_routed_experts=n_experts,
+        n_group=n_group,
+        topk_group=topk_group,
+        num_experts_per_tok=k,
+        norm_topk_prob=norm,
+        routed_scaling_factor=scaling,
+    )
+    moe = MoEWeights(
+        gate=torch.randn(n_experts, CONFIG.hidden_size, generator=gen) / CONFIG.hidden_size**0.5,
+        e_score_correction_bias=0.3 * torch.randn(n_experts, generator=gen),
+        experts={},
+        shared=None,
+    )
+    return dataclasses.replace(MOE_LAYER, config=config, moe=moe)
+
+
+def _brute_force_gate(layer, x: torch.Tensor) -> list[dict[int, float]]:
+    """Per token: {expert: weight}, by enumerating groups and experts in plain Python."""
+    c = layer.config
+    scores = torch.sigmoid(x.double() @ layer.moe.gate.double().T)
+    per_group = c.n_routed_experts // c.n_group
+    out = []
+    for token_scores in scores.tolist():
+        biased = [s + b for s, b in zip(token_scores, layer.moe.e_score_correction_bias.tolist())]
+        group_score = {
+            g: sum(sorted(biased[g * per_group : (g + 1) * per_group], reverse=True)[:2]) for g in range(c.n_group)
+        }
+        groups = sorted(group_score, key=group_score.get, reverse=True)[: c.topk_group]
+        candidates = [e for g in groups for e in range(g * per_group, (g + 1) * per_group)]
+        chosen = sorted(candidates, key=lambda e: biased[e], reverse=True)[: c.num_experts_per_tok]
+        total = sum(token_scores[e] for e in chosen) if c.norm_topk_prob else 1.0
+        out.append({e: token_scores[e] / total * c.routed_scaling_factor for e in chosen})
+    return out
+
+
+@st.composite
+def _gate_configs(draw):
+    n_group = draw(st.sampled_from([1, 2, 4, 8]))
+    per_group = draw(st.integers(2, 6))
+    topk_group = draw(st.integers(1, n_group))
+    k = draw(st.integers(1, topk_group * per_group))
+    norm = draw(st.booleans())
+    scaling = draw(st.sampled_from([1.0, 2.5, 0.7]))
+    return n_group * per_group, n_group, topk_group, k, norm, scaling, draw(st.integers(0, 2**16))
+
+
+@settings(max_examples=60, deadline=None)
+@given(_gate_configs())
+def test_group_limited_topk_matches_brute_force(gate_config):
+    layer = _gate_layer(*gate_config)
+    x = torch.randn(9, CONFIG.hidden_size, generator=torch.Generator().manual_seed(gate_config[-1]))
+    topk_idx, topk_weights = moe_gate(layer, x)
+    assert topk_idx.dtype == torch.int64 and topk_weights.dtype == torch.float32
+    for t, expected in enumerate(_brute_force_gate(layer, x)):
+        got = dict(zip(topk_idx[t].tolist(), topk_weights[t].tolist()))
+        assert set(got) == set(expected)
+        for e, w in expected.items():
+            assert got[e] == pytest.approx(w, rel=1e-5, abs=1e-6)
+
+
+def test_weights_normalised_then_scaled_and_bias_only_steers_choice():
+    layer = _gate_layer(16, 4, 2, 4, True, 2.5, seed=1)
+    x = torch.randn(50, CONFIG.hidden_size, generator=torch.Generator().manual_seed(2))
+    _, weights = moe_gate(layer, x)
+    torch.testing.assert_close(weights.sum(-1), torch.full((50,), 2.5))
+
+    unnormalised = dataclasses.replace(layer, config=dataclasses.replace(layer.config, norm_topk_prob=False))
+    idx, weights = moe_gate(unnormalised, x)
+    scores = torch.sigmoid(x @ layer.moe.gate.T)
+    torch.testing.assert_close(weights, scores.gather(1, idx) * 2.5)
+
+    boosted = dataclasses.replace(layer, moe=dataclasses.replace(layer.moe, e_score_correction_bias=torch.zeros(16)))
+    boosted.moe.e_score_correction_bias[13] = 10.0  # always chosen, but its weight is its raw score
+    idx, weights = moe_gate(dataclasses.replace(boosted, config=unnormalised.config), x)
+    assert torch.all(idx[:, 0] == 13)
+    torch.testing.assert_close(weights[:, 0], scores[:, 13] * 2.5)
+
+
+def test_topk_is_ordered_by_biased_score():
+    x = torch.randn(20, CONFIG.hidden_size, generator=torch.Generator().manual_seed(3))
+    idx, _ = moe_gate(MOE_LAYER, x)
+    biased = torch.sigmoid(x @ MOE_LAYER.moe.gate.T) + MOE_LAYER.moe.e_score_correction_bias
+    chosen = biased.gather(1, idx)
+    assert torch.all(chosen[:, :-1] >= chosen[:, 1:])
+
+
+def _per_token_reference(layer, x):
+    idx, weights = moe_gate(layer, x)
+    rows = []
+    for t in range(x.shape[0]):
+        acc = shared_expert(layer, x[t : t + 1])[0]
+        for e, w in zip(idx[t].tolist(), weights[t].tolist()):
+            acc = acc + w * expert_ffn(layer.moe.experts[e], x[t : t + 1])[0]
+        rows.append(acc)
+    return torch.stack(rows)
+
+
+def test_moe_forward_reference_equals_per_token_sum():
+    x = torch.randn(12, CONFIG.hidden_size, generator=torch.Generator().manual_seed(4))
+    ref = _per_token_reference(MOE_LAYER, x)
+    torch.testing.assert_close(moe_forward_reference(MOE_LAYER, x), ref, rtol=1e-5, atol=1e-5)
+
+
+@settings(max_examples=20, deadline=None)
+@given(owner=st.lists(st.integers(0, 3), min_size=16, max_size=16), seed=st.integers(0, 2**16))
+def test_partial_sums_over_an_expert_partition_give_the_full_moe(owner, seed):
+    """Each of 4 instances runs only its experts; their partials plus the shared expert are the MoE output."""
+    x = torch.randn(10, CONFIG.hidden_size, generator=torch.Generator().manual_seed(seed))
+    idx, weights = moe_gate(MOE_LAYER, x)
+    partials = [
+        moe_routed_partial(MOE_LAYER, x, idx, weights, [e for e in range(16) if owner[e] == i]) for i in range(4)
+    ]
+    combined = torch.stack(partials).sum(0) + shared_expert(MOE_LAYER, x)
+    torch.testing.assert_close(combined, moe_forward_reference(MOE_LAYER, x), rtol=1e-5, atol=1e-5)
+
+
+def test_instance_materialises_only_its_experts_with_identical_values():
+    mine = {4, 5, 6, 7}
+    part = random_weights(CONFIG, seed=0, expert_ids=mine)
+    assert part.expert_ids == mine
+    for layer, full_layer in zip(part.layers, MODEL.layers):
+        if layer.moe is None:
+            continue
+        assert set(layer.moe.experts) == mine
+        for e in mine:
+            assert torch.equal(layer.moe.experts[e].up_proj, full_layer.moe.experts[e].up_proj)
+        assert torch.equal(layer.moe.gate, full_layer.moe.gate)
+    x = torch.randn(6, CONFIG.hidden_size)
+    idx, weights = moe_gate(part.layers[1], x)
+    assert torch.equal(
+        moe_routed_partial(part.layers[1], x, idx, weights, mine),
+        moe_routed_partial(MODEL.layers[1], x, idx, weights, mine),
+    )
+    with pytest.raises(ValueError, match=r"experts \[0, 1, 2, 3, 8"):
+        moe_routed_partial(part.layers[1], x, idx, weights)
+    with pytest.raises(ValueError, match=r"experts \[9\] are not materialised"):
+        moe_routed_partial(part.layers[1], x, idx, weights, [4, 9])
