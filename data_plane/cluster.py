@@ -1,0 +1,222 @@
+"""A local decode cluster: N DecodeInstances as threads in this process or as one process each.
+
+The driver (nanocp.LLM, the server) owns the KV pools' memory, so prefill can write a prompt's KV straight into
+the pages the scheduler chose, and hands each instance its routing table and the inputs of its MoE rows every
+iteration. Instances exchange queries, partial results and MoE tokens over the fabric (in-process or shared
+memory). Every fabric wait has a timeout: a dead or stuck instance surfaces as an error, never a hang.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import traceback
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from nanocp.comm.fabric import FabricTimeout, InProcessFabric
+from nanocp.comm.shm_fabric import ShmFabric
+from nanocp.control_plane.lowering import RoutingTables
+from nanocp.models import load_config, load_model
+
+from .instance import DecodeInstance, InstanceLimits, RowInput, RowOutput
+from .kv_pool import PagedKVPool
+from .timing import PhaseRecord, TimingLog
+
+BACKENDS = ("threads", "processes")
+
+
+class InstanceFailure(RuntimeError):
+    """An instance raised or died during an iteration."""
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    model: str
+    num_instances: int
+    limits: InstanceLimits
+    frames_per_instance: int
+    page_size: int
+    dtype: torch.dtype = torch.float32
+    timeout_s: float = 30.0
+    timing: bool = False
+
+
+def experts_of(rank: int, num_instances: int, num_experts: int) -> set[int]:
+    per = num_experts // num_instances
+    return set(range(rank * per, (rank + 1) * per))
+
+
+def build_instance(cfg: ClusterConfig, rank: int, fabric, pool: PagedKVPool) -> DecodeInstance:
+    config = load_config(cfg.model)
+    experts = experts_of(rank, cfg.num_instances, config.n_routed_experts)
+    model = load_model(cfg.model, expert_ids=experts, dtype=cfg.dtype)
+    timing = TimingLog(enabled=cfg.timing)
+    return DecodeInstance(rank, model, pool, fabric, cfg.limits, cfg.timeout_s, timing)
+
+
+def allocate_pools(cfg: ClusterConfig, shared: bool) -> list[PagedKVPool]:
+    c = load_config(cfg.model)
+    return [
+        PagedKVPool.allocate(
+            c.num_hidden_layers, cfg.frames_per_instance, cfg.page_size, c.kv_cache_dim, cfg.dtype, shared
+        )
+        for _ in range(cfg.num_instances)
+    ]
+
+
+def _first_real_error(errors: list[BaseException]) -> BaseException:
+    """The root cause: a peer's timeout is a consequence of another instance's failure."""
+    real = [e for e in errors if not isinstance(e, FabricTimeout)]
+    return (real or errors)[0]
+
+
+class ThreadCluster:
+    """One thread per instance, an in-process fabric between them."""
+
+    def __init__(self, cfg: ClusterConfig) -> None:
+        self.cfg = cfg
+        self.pools = allocate_pools(cfg, shared=False)
+        fabrics = InProcessFabric.create(cfg.num_instances, num_flags=64)
+        self._executor = ThreadPoolExecutor(cfg.num_instances, thread_name_prefix="nanocp-instance")
+        # Buffer registration is collective: build every instance concurrently.
+        futures = [
+            self._executor.submit(build_instance, cfg, r, fabrics[r], self.pools[r]) for r in range(cfg.num_instances)
+        ]
+        self.instances = [f.result() for f in futures]
+
+    def run_iteration(
+        self, tables: list[np.ndarray], rows: list[dict[int, RowInput]], return_logits: bool = False
+    ) -> list[RowOutput]:
+        futures = [
+            self._executor.submit(inst.run_iteration, RoutingTables.parse(tables[r]), rows[r], return_logits)
+            for r, inst in enumerate(self.instances)
+        ]
+        outputs, errors = [], []
+        for f in futures:
+            try:
+                outputs.extend(f.result())
+            except Exception as e:  # noqa: BLE001 - collected and re-raised with the root cause
+                errors.append(e)
+        if errors:
+            raise InstanceFailure(f"decode iteration failed: {_first_real_error(errors)!r}") from errors[0]
+        return outputs
+
+    def timing_records(self) -> list[PhaseRecord]:
+        records = [r for inst in self.instances for r in inst.timing.records]
+        for inst in self.instances:
+            inst.timing.records.clear()
+        return records
+
+    def close(self) -> None:
+        for inst in self.instances:
+            inst.fabric.close()
+        self._executor.shutdown(wait=True)
+
+
+def _process_main(cfg: ClusterConfig, rank: int, fabric_info, pool_kv: torch.Tensor, conn) -> None:
+    torch.set_num_threads(1)
+    try:
+        fabric = ShmFabric(fabric_info, rank)
+        instance = build_instance(cfg, rank, fabric, PagedKVPool(pool_kv))
+        conn.send(("ready", rank))
+    except Exception:  # noqa: BLE001 - reported to the driver
+        conn.send(("error", traceback.format_exc()))
+        return
+    try:
+        while True:
+            msg = conn.recv()
+            if msg[0] == "stop":
+                break
+            _, table, rows, return_logits = msg
+            try:
+                out = instance.run_iteration(RoutingTables.parse(table), rows, return_logits)
+                conn.send(("ok", out, instance.timing.records))
+                instance.timing.records = []
+            except Exception as e:  # noqa: BLE001 - reported to the driver, the instance keeps serving
+                conn.send(("error", f"{type(e).__name__}: {e}", isinstance(e, FabricTimeout)))
+    finally:
+        fabric.close()
+
+
+class ProcessCluster:
+    """One process per instance (spawned), a shared-memory fabric between them; KV pools in shared memory."""
+
+    def __init__(self, cfg: ClusterConfig, start_timeout_s: float = 120.0) -> None:
+        self.cfg = cfg
+        self.pools = allocate_pools(cfg, shared=True)
+        self._info = ShmFabric.new_session(cfg.num_instances, num_flags=64)
+        ctx = mp.get_context("spawn")
+        self._conns, self._procs = [], []
+        for r in range(cfg.num_instances):
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(target=_process_main, args=(cfg, r, self._info, self.pools[r].kv, child), daemon=True)
+            proc.start()
+            self._conns.append(parent)
+            self._procs.append(proc)
+        self._records: list[PhaseRecord] = []
+        for r, conn in enumerate(self._conns):
+            msg = self._recv(r, start_timeout_s)
+            if msg[0] != "ready":
+                self.close()
+                raise InstanceFailure(f"instance {r} failed to start:\n{msg[1]}")
+
+    def _recv(self, rank: int, timeout_s: float):
+        conn = self._conns[rank]
+        if not conn.poll(timeout_s):
+            alive = self._procs[rank].is_alive()
+            raise InstanceFailure(f"instance {rank} did not answer within {timeout_s:.0f} s (alive={alive})")
+        try:
+            return conn.recv()
+        except EOFError as e:
+            raise InstanceFailure(f"instance {rank} died (exit code {self._procs[rank].exitcode})") from e
+
+    def run_iteration(
+        self, tables: list[np.ndarray], rows: list[dict[int, RowInput]], return_logits: bool = False
+    ) -> list[RowOutput]:
+        for r, conn in enumerate(self._conns):
+            conn.send(("run", tables[r], rows[r], return_logits))
+        outputs, errors = [], []
+        for r in range(self.cfg.num_instances):
+            try:
+                msg = self._recv(r, self.cfg.timeout_s * 2 + 5)
+            except InstanceFailure as e:
+                errors.append((False, str(e)))
+                continue
+            if msg[0] == "ok":
+                outputs.extend(msg[1])
+                self._records.extend(msg[2])
+            else:
+                errors.append((msg[2], f"instance {r}: {msg[1]}"))
+        if errors:
+            real = [text for is_timeout, text in errors if not is_timeout] or [errors[0][1]]
+            raise InstanceFailure(f"decode iteration failed: {real[0]}")
+        return outputs
+
+    def timing_records(self) -> list[PhaseRecord]:
+        records, self._records = self._records, []
+        return records
+
+    def close(self) -> None:
+        for conn, proc in zip(self._conns, self._procs):
+            try:
+                if proc.is_alive():
+                    conn.send(("stop",))
+            except (BrokenPipeError, OSError):
+                pass
+        for proc in self._procs:
+            proc.join(timeout=10)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+        ShmFabric.cleanup(self._info)
+
+
+def make_cluster(backend: str, cfg: ClusterConfig) -> ThreadCluster | ProcessCluster:
+    if backend == "threads":
+        return ThreadCluster(cfg)
+    if backend == "processes":
+        return ProcessCluster(cfg)
+    raise ValueError(f"unknown backend {backend!r}; choose one of {BACKENDS}")

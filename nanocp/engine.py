@@ -1,0 +1,298 @@
+"""The engine: one global scheduler driving a decode cluster, plus the prefill that feeds it.
+
+Each `step()` is one decode iteration: the scheduler plans (admissions, bindings, growth, preemptions) and lowers
+the plan into per-instance routing tables; admitted requests are prefilled and their KV is written straight into
+the pages of their KV binding; every instance runs the iteration; sampled tokens are appended and stop conditions
+checked. `nanocp.LLM` (offline) and the HTTP server both drive this class.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from nanocp.control_plane import ClusterSpec, CPBucketTable, GlobalScheduler
+from nanocp.data_plane.cluster import ClusterConfig, make_cluster
+from nanocp.data_plane.instance import InstanceLimits, RowInput
+from nanocp.data_plane.sampling import SamplingParams, sample_token
+from nanocp.data_plane.timing import PhaseRecord
+from nanocp.models import load_config, load_model, load_tokenizer, prefill_forward
+
+
+@dataclass
+class EngineConfig:
+    model: str = "tiny"
+    decode_instances: int = 4
+    instances_per_node: int | None = None  # default: every instance on one node
+    policy: str = "nanocp"
+    backend: str = "threads"  # "threads" | "processes"
+    kv_capacity_tokens: int = 16384  # per instance
+    page_size: int = 16
+    max_batch_per_instance: int = 64
+    cp_buckets: CPBucketTable | None = None
+    scheduler_backend: str = "cpp"
+    dtype: torch.dtype = torch.float32
+    timeout_s: float = 30.0
+    timing: bool = False
+
+    def cluster_spec(self) -> ClusterSpec:
+        per_node = self.instances_per_node or self.decode_instances
+        if self.decode_instances < 1 or self.decode_instances % per_node:
+            raise ValueError(
+                f"decode_instances ({self.decode_instances}) must be a positive multiple of instances_per_node "
+                f"({per_node})"
+            )
+        return ClusterSpec(self.decode_instances // per_node, per_node, self.kv_capacity_tokens, self.page_size)
+
+
+@dataclass
+class RequestMetrics:
+    arrival_time: float
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    token_times: list[float] = field(default_factory=list)
+    preemptions: int = 0
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+    @property
+    def tpot(self) -> float | None:
+        """Mean time per output token after the first."""
+        if len(self.token_times) < 2:
+            return None
+        return (self.token_times[-1] - self.token_times[0]) / (len(self.token_times) - 1)
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finished: bool
+    finish_reason: str | None  # "stop" | "length" | "abort" | "error"
+    metrics: RequestMetrics
+    logits: list[torch.Tensor] | None = None  # per output token, [vocab], when requested
+    error: str | None = None
+
+
+@dataclass
+class _Request:
+    rid: str
+    prompt: list[int]
+    params: SamplingParams
+    seed: int
+    keep_logits: bool
+    metrics: RequestMetrics
+    output: list[int] = field(default_factory=list)
+    logits: list[torch.Tensor] = field(default_factory=list)
+    finish_reason: str | None = None
+    error: str | None = None
+    stop_text_end: int | None = None  # text is cut here when a stop string matched
+
+
+class Engine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.model_config = load_config(config.model)
+        self.tokenizer = load_tokenizer(config.model)
+        spec = config.cluster_spec()
+        if self.model_config.n_routed_experts % spec.num_instances:
+            raise ValueError(
+                f"{self.model_config.n_routed_experts} experts cannot be split evenly over "
+                f"{spec.num_instances} decode instances"
+            )
+        self.spec = spec
+        self.scheduler = GlobalScheduler(
+            spec,
+            config.policy,
+            cp_buckets=config.cp_buckets,
+            max_batch_per_instance=config.max_batch_per_instance,
+            backend=config.scheduler_backend,
+        )
+        n = spec.num_instances
+        limits = InstanceLimits(
+            max_moe_batch=config.max_batch_per_instance,
+            max_q_recv=config.max_batch_per_instance * n,
+            max_res_recv=config.max_batch_per_instance * n,
+        )
+        self.prefill_model = load_model(config.model, dtype=config.dtype)
+        cluster_cfg = ClusterConfig(
+            config.model,
+            n,
+            limits,
+            spec.frames_per_instance,
+            spec.page_size,
+            config.dtype,
+            config.timeout_s,
+            config.timing,
+        )
+        self.cluster = make_cluster(config.backend, cluster_cfg)
+        self.requests: dict[str, _Request] = {}
+        self._done: list[RequestOutput] = []
+        self.iterations = 0
+
+    # ------------------------------------------------------------------ requests
+
+    def add_request(self, rid: str, prompt_ids: list[int], params: SamplingParams, keep_logits: bool = False) -> None:
+        if rid in self.requests:
+            raise ValueError(f"duplicate request id {rid!r}")
+        if not prompt_ids:
+            raise ValueError(f"request {rid!r}: empty prompt")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in prompt_ids if not isinstance(t, int) or not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"request {rid!r}: token ids {bad[:5]} outside the vocabulary [0, {vocab})")
+        longest = len(prompt_ids) + params.max_tokens
+        if longest > self.model_config.max_position_embeddings:
+            raise ValueError(
+                f"request {rid!r}: prompt ({len(prompt_ids)}) + max_tokens ({params.max_tokens}) exceeds the "
+                f"model's context of {self.model_config.max_position_embeddings} tokens"
+            )
+        self.scheduler.add_request(rid, len(prompt_ids), params.max_tokens)
+        seed = params.seed if params.seed is not None else hash(rid) & 0x7FFFFFFF
+        self.requests[rid] = _Request(
+            rid, list(prompt_ids), params, seed, keep_logits, RequestMetrics(arrival_time=time.monotonic())
+        )
+
+    def abort(self, rid: str) -> None:
+        """Cancel a request: its pages are freed now; it ends with finish_reason "abort"."""
+        req = self.requests.get(rid)
+        if req is None or req.finish_reason is not None:
+            return
+        self.scheduler.finish(rid)
+        self._end(req, "abort")
+
+    def has_unfinished(self) -> bool:
+        return any(r.finish_reason is None for r in self.requests.values())
+
+    # ------------------------------------------------------------------ one iteration
+
+    @torch.no_grad()
+    def step(self) -> list[RequestOutput]:
+        """One decode iteration; returns the requests that ended in it."""
+        plan = self.scheduler.step()
+        self.iterations += 1
+        for rid in plan.finished:
+            self._on_scheduler_finished(rid)
+        for rid in plan.rejected:
+            self._end(self.requests[rid], "error", "the cluster can no longer hold this request")
+        for rid in plan.preempted:
+            self.requests[rid].metrics.preemptions += 1
+        batch, tables = plan.batch, plan.tables
+        for adm in plan.admitted:
+            self._prefill(adm.rid, adm.context_len, adm.recompute)
+        rows: list[dict[int, RowInput]] = [{} for _ in range(self.spec.num_instances)]
+        for instance in range(self.spec.num_instances):
+            for batch_index in plan.routing(instance).moe[:, 0].tolist():
+                req = self.requests[batch[batch_index]]
+                rows[instance][batch_index] = RowInput(req.output[-1], req.params, len(req.output), req.seed)
+        keep = any(self.requests[rid].keep_logits for rid in batch)
+        outputs = self.cluster.run_iteration(tables, rows, keep) if batch else []
+        now = time.monotonic()
+        for out in outputs:
+            req = self.requests[batch[out.batch_index]]
+            if req.finish_reason is None:
+                self._append(req, out.token, out.logits, now)
+        done, self._done = self._done, []
+        return done
+
+    def _prefill(self, rid: str, context_len: int, recompute: bool) -> None:
+        """Compute the context's KV on the driver and write it into the request's shards (pages chosen by the
+        scheduler); sample the first output token unless this is a recompute after preemption."""
+        req = self.requests[rid]
+        tokens = (req.prompt + req.output)[:context_len]
+        out = prefill_forward(self.prefill_model, torch.tensor(tokens, dtype=torch.int64))
+        moe = self.scheduler.request_state(rid).moe_instance
+        start = 0
+        for instance, n_tokens, frames in self.scheduler.shard_pages(rid):
+            n_context = n_tokens - (1 if instance == moe else 0)  # the moe shard's last slot is the new token
+            self.cluster.pools[instance].write_range(frames, 0, out.kv[:, start : start + n_context])
+            start += n_context
+        if start != context_len:
+            raise RuntimeError(f"request {rid}: shards hold {start} context tokens, expected {context_len}")
+        if not recompute:
+            now = time.monotonic()
+            first = sample_token(out.logits[-1], req.params, 0, req.seed)
+            self._append(req, first, out.logits[-1].clone() if req.keep_logits else None, now)
+
+    def _append(self, req: _Request, token: int, logits: torch.Tensor | None, now: float) -> None:
+        if req.metrics.first_token_time is None:
+            req.metrics.first_token_time = now
+        req.metrics.token_times.append(now)
+        req.output.append(token)
+        if logits is not None:
+            req.logits.append(logits)
+        reason = self._stop_reason(req, token)
+        if reason is not None:
+            if reason != "length":  # the scheduler ends "length" requests itself after their last iteration
+                self.scheduler.finish(req.rid)
+            self._end(req, reason)
+
+    def _stop_reason(self, req: _Request, token: int) -> str | None:
+        p = req.params
+        if token in p.stop_token_ids or (not p.ignore_eos and token in self.tokenizer.eos_token_ids):
+            return "stop"
+        if p.stop:
+            text = self.tokenizer.decode(req.output)
+            hits = [text.find(s) for s in p.stop if s and s in text]
+            if hits:
+                req.stop_text_end = min(hits)
+                return "stop"
+        if len(req.output) >= p.max_tokens:
+            return "length"
+        return None
+
+    def _on_scheduler_finished(self, rid: str) -> None:
+        req = self.requests.get(rid)
+        if req is None or req.finish_reason is not None:
+            return
+        if not req.output:  # max_tokens == 1: the request never needed the decode cluster
+            out = prefill_forward(self.prefill_model, torch.tensor(req.prompt, dtype=torch.int64))
+            self._append(req, sample_token(out.logits[-1], req.params, 0, req.seed), out.logits[-1], time.monotonic())
+            if req.finish_reason is not None:
+                return
+        self._end(req, "length")
+
+    def _end(self, req: _Request, reason: str, error: str | None = None) -> None:
+        req.finish_reason, req.error = reason, error
+        req.metrics.finish_time = time.monotonic()
+        self._done.append(self.output_of(req.rid))
+
+    # ------------------------------------------------------------------ views
+
+    def output_of(self, rid: str) -> RequestOutput:
+        req = self.requests[rid]
+        ids = list(req.output)
+        if req.finish_reason == "stop" and ids and ids[-1] in self.tokenizer.eos_token_ids:
+            ids = ids[:-1]  # the EOS token is not part of the text
+        text = self.tokenizer.decode(ids)
+        if req.stop_text_end is not None:
+            text = text[: req.stop_text_end]
+        return RequestOutput(
+            rid,
+            req.prompt,
+            list(req.output),
+            text,
+            req.finish_reason is not None,
+            req.finish_reason,
+            req.metrics,
+            list(req.logits) if req.keep_logits else None,
+            req.error,
+        )
+
+    def release(self, rid: str) -> None:
+        """Forget a finished request (the server calls this once the client has its answer)."""
+        req = self.requests.get(rid)
+        if req is not None and req.finish_reason is not None:
+            del self.requests[rid]
+
+    def timing_records(self) -> list[PhaseRecord]:
+        return self.cluster.timing_records()
+
+    def close(self) -> None:
+        self.cluster.close()
