@@ -227,6 +227,7 @@ class LatencyProfile:
     kv_transfer_link: str = "rdma"
     kv_transfer_links: int = 1
     raw: dict[str, Any] = field(default_factory=dict, repr=False)
+    _phase_cache: dict[tuple[str, int], LinearCost] = field(default_factory=dict, repr=False, compare=False)
 
     # -- loading ---------------------------------------------------------------------------------------------
 
@@ -287,7 +288,11 @@ class LatencyProfile:
     # -- per-phase functions (per layer, seconds; arrays broadcast) ------------------------------------------
 
     def phase(self, name: str, num_instances: int) -> LinearCost:
-        return self.phases[name].at(num_instances)
+        key = (name, num_instances)
+        cost = self._phase_cache.get(key)
+        if cost is None:
+            cost = self._phase_cache[key] = self.phases[name].at(num_instances)
+        return cost
 
     def attention_time(self, kv_tokens: Any, shards: Any, num_instances: int = 1) -> Any:
         """Partial attention over the instance's shards: fixed + per (request, shard) row + per KV token."""
@@ -297,18 +302,15 @@ class LatencyProfile:
         """Per instance [I]: Q round + Res round over NVLink (same node) and RDMA (other nodes)."""
         c = routes.count.astype(float)  # [I, I] queries m -> s
         np.fill_diagonal(c, 0.0)
-        same = node_of[:, None] == node_of[None, :]  # [I, I]
-        link_counts = {
-            "nvlink": (np.where(same, c, 0).sum(1), np.where(same, c, 0).sum(0)),  # (sent [I], received [I])
-            "rdma": (np.where(same, 0, c).sum(1), np.where(same, 0, c).sum(0)),
-        }
-        q_round = np.zeros(len(c))
-        res_round = np.zeros(len(c))
-        for name, (sent, recv) in link_counts.items():
-            link = self.links[name]
-            q_round = np.maximum(q_round, link.time(self.model.q_bytes * np.maximum(sent, recv)))
-            # results flow back: an instance sends one result per query it received and vice versa
-            res_round = np.maximum(res_round, link.time(self.model.res_bytes * np.maximum(recv, sent)))
+        c_nvl = c * (node_of[:, None] == node_of[None, :])  # [I, I] same-node part
+        c_rdma = c - c_nvl
+        # Full duplex: a link's time follows the larger of what the instance sends and receives on it. Results
+        # flow back one per query, so the Res round sees the same max(sent, received) counts as the Q round.
+        n_nvl = np.maximum(c_nvl.sum(1), c_nvl.sum(0))  # [I]
+        n_rdma = np.maximum(c_rdma.sum(1), c_rdma.sum(0))  # [I]
+        nvl, rdma = self.links["nvlink"], self.links["rdma"]
+        q_round = np.maximum(nvl.time(self.model.q_bytes * n_nvl), rdma.time(self.model.q_bytes * n_rdma))
+        res_round = np.maximum(nvl.time(self.model.res_bytes * n_nvl), rdma.time(self.model.res_bytes * n_rdma))
         return q_round + res_round
 
     def merge_time(self, partials: Any, num_instances: int = 1) -> Any:
@@ -362,17 +364,22 @@ class LatencyProfile:
         batch: Sequence[float],
         routes: RouteCounts | None = None,
         node_of: Sequence[int] | None = None,
+        num_instances: int | None = None,
     ) -> IterationCost:
-        """Cost of one iteration given per-instance KV tokens, shard rows and MoE batch ([I] each)."""
+        """Cost of one iteration given per-instance KV tokens, shard rows and MoE batch ([I] each).
+
+        num_instances (the EP size the phase tables are read at) defaults to the arrays' length; the ideal bound
+        passes one representative instance of a larger cluster.
+        """
         kv = np.asarray(kv_tokens, dtype=float)
         rows = np.asarray(shards, dtype=float)
         b = np.asarray(batch, dtype=float)
-        n = len(b)
-        if n == 0 or not len(kv) == len(rows) == n:
-            raise ProfileError(f"need equal non-empty per-instance arrays, got {len(kv)}, {len(rows)}, {n}")
-        nodes = np.arange(n) // self.instances_per_node if node_of is None else np.asarray(node_of)
+        if len(b) == 0 or not len(kv) == len(rows) == len(b):
+            raise ProfileError(f"need equal non-empty per-instance arrays, got {len(kv)}, {len(rows)}, {len(b)}")
+        n = num_instances or len(b)
+        nodes = np.arange(len(b)) // self.instances_per_node if node_of is None else np.asarray(node_of)
         attn = self.attention_time(kv, rows, n)  # [I]
-        cp = np.zeros(n)
+        cp = np.zeros(len(b))
         if routes is not None and routes.total:
             partials = routes.count.sum(1) - np.diag(routes.count)  # remote partials merged at each MoE instance
             cp = self.cp_comm_time(routes, nodes) + self.merge_time(partials, n)
@@ -408,9 +415,9 @@ class LatencyProfile:
 
     def ideal_iteration_time(self, total_kv_tokens: float, total_batch: float, num_instances: int) -> float:
         """The same work perfectly balanced (mean KV, mean batch, one shard per request) with no CP traffic."""
-        kv = np.full(num_instances, total_kv_tokens / num_instances)
-        b = np.full(num_instances, total_batch / num_instances)
-        return self.iteration_cost(kv, b, b).total_s
+        kv = np.array([total_kv_tokens / num_instances])  # [1]: every instance is alike
+        b = np.array([total_batch / num_instances])
+        return self.iteration_cost(kv, b, b, num_instances=num_instances).total_s
 
 
 def _parse_phase(name: str, spec: Mapping[str, Any], scale: float) -> PhaseModel:

@@ -157,7 +157,7 @@ class ProcessCluster:
             self._conns.append(parent)
             self._procs.append(proc)
         self._records: list[PhaseRecord] = []
-        for r, conn in enumerate(self._conns):
+        for r in range(cfg.num_instances):
             msg = self._recv(r, start_timeout_s)
             if msg[0] != "ready":
                 self.close()

@@ -215,7 +215,7 @@ def merge_attention_partials(os: torch.Tensor, lses: torch.Tensor) -> tuple[torc
 def mla_decode_output(layer: LayerWeights, o_latent: torch.Tensor) -> torch.Tensor:
     """o_latent [T, H, kv_lora] (merged) -> attention output [T, D] (W_UV per head, then o_proj)."""
     o = torch.einsum("thc,hvc->thv", o_latent, layer.w_uv)  # [T, H, v]
-    return F.linear(o.reshape(o.shape[0], -1), layer.attn.o_proj)
+    return F.linear(o.flatten(1), layer.attn.o_proj)
 
 
 def _finite_or_zero(x: torch.Tensor) -> torch.Tensor:
@@ -267,7 +267,7 @@ def mla_prefill_attention_with_lse(
 
 def mla_prefill_output(layer: LayerWeights, o: torch.Tensor) -> torch.Tensor:
     """o [T, H, v] -> attention output [T, D]."""
-    return F.linear(o.reshape(o.shape[0], -1), layer.attn.o_proj)
+    return F.linear(o.flatten(1), layer.attn.o_proj)
 
 
 # ---- MoE ---------------------------------------------------------------------------------------------------
@@ -435,6 +435,8 @@ def greedy_generate(
     model: DeepseekV3Weights, prompt: list[int], max_new_tokens: int, stop_at_eos: bool = False
 ) -> list[int]:
     """Reference greedy continuation: prefill the prompt, then absorbed decode steps. Returns the new tokens."""
+    if max_new_tokens <= 0:
+        return []
     tokens = torch.tensor(prompt, dtype=torch.int64, device=model.embed_tokens.device)
     prefill = prefill_forward(model, tokens)
     cache = ContiguousKVCache.from_prefill([prefill.kv], capacity=len(prompt) + max_new_tokens)

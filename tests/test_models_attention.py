@@ -12,7 +12,9 @@ from hypothesis import strategies as st
 from nanocp.models import (
     ContiguousKVCache,
     decode_step,
+    ffn_forward,
     load_model,
+    logits,
     merge_attention_partials,
     mla_attention_with_lse,
     mla_decode_output,
@@ -22,6 +24,7 @@ from nanocp.models import (
     mla_prefill_attention_with_lse,
     mla_prefill_output,
     mla_prefill_qkv,
+    post_attention_norm,
     prefill_forward,
 )
 
@@ -200,3 +203,18 @@ def test_decode_step_rejects_bad_tokens_and_full_cache():
         prefill_forward(MODEL, torch.tensor([1, CONFIG.vocab_size]))
     with pytest.raises(ValueError, match="past_kv"):
         prefill_forward(MODEL, torch.tensor([1]), past_kv=torch.zeros(1, 2, DQK))
+
+
+def test_every_phase_accepts_an_empty_batch():
+    """Instances run every layer in lock-step, also when they have no request of their own."""
+    none = torch.zeros(0, dtype=torch.int64)
+    h = MODEL.embed_tokens[none]
+    for layer in MODEL.layers:
+        q_latent, kv_new = mla_decode_qkv(layer, h, none)
+        assert q_latent.shape == (0, HEADS, DQK) and kv_new.shape == (0, DQK)
+        pages = torch.randn(3, 4, DQK)
+        o, lse = mla_paged_attention_with_lse(q_latent, pages, torch.zeros(0, 2, dtype=torch.int32), none, 0.1, DV)
+        o, lse = merge_attention_partials(o[None], lse[None])
+        h = h + mla_decode_output(layer, o)
+        h = h + ffn_forward(layer, post_attention_norm(layer, h))
+    assert h.shape == (0, CONFIG.hidden_size) and logits(MODEL, h).shape == (0, CONFIG.vocab_size)

@@ -4,4 +4,5 @@
 namespace nanocp {
 namespace nb = nanobind;
 void bind_scheduler(nb::module_& m);
+void bind_cdsp(nb::module_& m);
 }  // namespace nanocp

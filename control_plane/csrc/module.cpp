@@ -5,4 +5,5 @@
 NB_MODULE(_core, m) {
   m.doc() = "nanocp C++ control-plane core (page table, DCP placement, lowering, CDSP planner)";
   nanocp::bind_scheduler(m);
+  nanocp::bind_cdsp(m);
 }
