@@ -132,6 +132,14 @@ def test_transformers_saved_config_parses(tmp_path):
     assert ModelConfig.from_pretrained_dir(tmp_path) == ModelConfig.tiny()
 
 
+def test_full_transformers_config_dict_parses():
+    """to_dict() without diffing writes every base-class attribute; none of them may be mistaken for math."""
+    transformers = pytest.importorskip("transformers")
+    d = transformers.DeepseekV3Config(**ModelConfig.tiny().to_hf_dict()).to_dict()
+    assert "output_router_logits" in d and "id2label" in d
+    assert ModelConfig.from_hf_dict(d) == ModelConfig.tiny()
+
+
 def test_corrupt_or_absent_config_file_names_the_file(tmp_path):
     with pytest.raises(ConfigError, match="config.json"):
         ModelConfig.from_pretrained_dir(tmp_path)
