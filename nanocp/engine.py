@@ -229,8 +229,7 @@ class Engine:
             req.logits.append(logits)
         reason = self._stop_reason(req, token)
         if reason is not None:
-            if reason != "length":  # the scheduler ends "length" requests itself after their last iteration
-                self.scheduler.finish(req.rid)
+            self.scheduler.finish(req.rid)  # pages back now, not at the next iteration
             self._end(req, reason)
 
     def _stop_reason(self, req: _Request, token: int) -> str | None:

@@ -73,8 +73,8 @@ def test_cp_is_really_used_and_growth_crosses_pages(reference_model):
         plan_splits = []
         while engine.has_unfinished():
             engine.step()
-            state = {rid: engine.scheduler.request_state(rid) for rid in engine.scheduler._handles}
-            plan_splits += [s.kv_split for s in state.values() if s.running]
+            live = [rid for rid, r in engine.requests.items() if r.finish_reason is None]
+            plan_splits += [engine.scheduler.request_state(rid).kv_split for rid in live]
         outs = [engine.output_of(f"r{i}") for i in range(3)]
     assert any(len(split) == 4 for split in plan_splits), "CP > 1 was never used"
     for prompt, out in zip(prompts, outs):
