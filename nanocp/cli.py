@@ -1,14 +1,91 @@
-"""The `nanocp` command line: one entry point, subcommands registered by each layer."""
+"""The `nanocp` command line. Each subcommand lives in the layer it drives and is imported only when used."""
 
 from __future__ import annotations
 
 import argparse
+import importlib
+import json
 import sys
+
+from . import __version__
+
+# Layers that add subcommands: each module has `register(subparsers)` and imports its heavy parts lazily.
+SUBCOMMAND_MODULES: list[str] = []
+
+
+def add_cluster_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="tiny", help="'tiny' (embedded default) or an HF checkpoint directory")
+    p.add_argument("--decode-instances", type=int, default=4, help="number of DP-EP decode instances (default 4)")
+    p.add_argument("--instances-per-node", type=int, default=None, help="default: all instances on one node")
+    p.add_argument(
+        "--policy",
+        default="nanocp",
+        help="nanocp | least-batch | least-cache | round-robin | uniform-cp:K (default nanocp)",
+    )
+    p.add_argument("--backend", default="threads", choices=["threads", "processes"], help="instance runtime")
+    p.add_argument("--kv-capacity-tokens", type=int, default=16384, help="KV capacity per instance, in tokens")
+    p.add_argument("--page-size", type=int, default=16, help="KV page size in tokens (64 for FlashMLA on GPU)")
+    p.add_argument("--max-batch-per-instance", type=int, default=64)
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    return dict(
+        decode_instances=args.decode_instances,
+        instances_per_node=args.instances_per_node,
+        policy=args.policy,
+        backend=args.backend,
+        kv_capacity_tokens=args.kv_capacity_tokens,
+        page_size=args.page_size,
+        max_batch_per_instance=args.max_batch_per_instance,
+    )
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from . import LLM, SamplingParams
+
+    params = SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+        ignore_eos=args.ignore_eos,
+    )
+    with LLM(args.model, **engine_kwargs(args)) as llm:
+        outs = llm.generate(args.prompt, params)
+    for out in outs:
+        record = {
+            "prompt": llm.tokenizer.decode(out.prompt_token_ids),
+            "text": out.text,
+            "token_ids": out.token_ids,
+            "finish_reason": out.finish_reason,
+            "ttft_s": out.metrics.ttft,
+            "tpot_s": out.metrics.tpot,
+            "preemptions": out.metrics.preemptions,
+        }
+        print(json.dumps(record, ensure_ascii=False))
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="nanocp", description=__doc__)
-    parser.add_subparsers(dest="command", metavar="COMMAND")
+    parser = argparse.ArgumentParser(
+        prog="nanocp", description="Serve MoE LLMs with dynamic (per-request) context parallelism."
+    )
+    parser.add_argument("--version", action="version", version=f"nanocp {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    gen = sub.add_parser("generate", help="offline generation on a local decode cluster (like vLLM's LLM)")
+    add_cluster_args(gen)
+    gen.add_argument("prompt", nargs="+", help="one or more prompts")
+    gen.add_argument("--max-tokens", type=int, default=32)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=-1)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--ignore-eos", action="store_true")
+    gen.set_defaults(func=cmd_generate)
+    for module in SUBCOMMAND_MODULES:
+        importlib.import_module(module).register(sub)
     return parser
 
 
@@ -18,7 +95,11 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 0
-    return int(args.func(args) or 0)
+    try:
+        return int(args.func(args) or 0)
+    except ValueError as e:
+        print(f"nanocp: error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":
