@@ -197,21 +197,59 @@ class IterationCost:
 
 @dataclass(frozen=True)
 class RouteCounts:
-    """Routed queries per layer: count[m, s] = queries sent from MoE instance m to shard instance s (m != s)."""
+    """Routed queries per layer, one entry per (request, remote shard): MoE instance src[k] -> shard dst[k]."""
 
-    count: np.ndarray  # [I, I] int
+    src: np.ndarray  # [Q] int64, MoE instance of the query
+    dst: np.ndarray  # [Q] int64, instance holding the remote shard (!= src)
+    num_instances: int
 
     @staticmethod
     def from_pairs(pairs: Iterable[tuple[int, int]], num_instances: int) -> RouteCounts:
-        count = np.zeros((num_instances, num_instances), dtype=np.int64)
-        for m, s in pairs:
-            if m != s:
-                count[m, s] += 1
-        return RouteCounts(count)
+        arr = np.array([(m, s) for m, s in pairs if m != s], dtype=np.int64).reshape(-1, 2)  # [Q, 2]
+        return RouteCounts(arr[:, 0], arr[:, 1], num_instances)
+
+    @staticmethod
+    def from_matrix(count: np.ndarray) -> RouteCounts:
+        """count[m, s] = queries from m to s; the diagonal (local shards) is ignored."""
+        c = np.array(count, dtype=np.int64)
+        np.fill_diagonal(c, 0)
+        src, dst = np.nonzero(c)
+        reps = c[src, dst]
+        return RouteCounts(np.repeat(src, reps), np.repeat(dst, reps), len(c))
 
     @property
     def total(self) -> int:
-        return int(self.count.sum() - np.trace(self.count))
+        return len(self.src)
+
+    @property
+    def count(self) -> np.ndarray:
+        """[I, I] queries from m to s."""
+        c = np.zeros((self.num_instances, self.num_instances), dtype=np.int64)
+        np.add.at(c, (self.src, self.dst), 1)
+        return c
+
+
+@dataclass(frozen=True)
+class _Coefs:
+    """Every phase's coefficients at one EP size, as plain floats (seconds)."""
+
+    attn: float
+    attn_kv: float
+    attn_rows: float
+    merge: float  # once per instance that merges remote partials
+    merge_partial: float
+    dense: float
+    dense_b: float
+    shared: float
+    shared_b: float
+    mlp: float
+    mlp_b: float
+    expert: float
+    expert_b: float
+    a2a: float  # dispatch + combine
+    a2a_b: float
+    it: float
+    it_b: float
 
 
 @dataclass
@@ -228,6 +266,7 @@ class LatencyProfile:
     kv_transfer_links: int = 1
     raw: dict[str, Any] = field(default_factory=dict, repr=False)
     _phase_cache: dict[tuple[str, int], LinearCost] = field(default_factory=dict, repr=False, compare=False)
+    _coef_cache: dict[int, _Coefs] = field(default_factory=dict, repr=False, compare=False)
 
     # -- loading ---------------------------------------------------------------------------------------------
 
@@ -300,14 +339,16 @@ class LatencyProfile:
 
     def cp_comm_time(self, routes: RouteCounts, node_of: np.ndarray) -> np.ndarray:
         """Per instance [I]: Q round + Res round over NVLink (same node) and RDMA (other nodes)."""
-        c = routes.count.astype(float)  # [I, I] queries m -> s
-        np.fill_diagonal(c, 0.0)
-        c_nvl = c * (node_of[:, None] == node_of[None, :])  # [I, I] same-node part
-        c_rdma = c - c_nvl
+        n = routes.num_instances
+        same = node_of[routes.src] == node_of[routes.dst]  # [Q]
         # Full duplex: a link's time follows the larger of what the instance sends and receives on it. Results
         # flow back one per query, so the Res round sees the same max(sent, received) counts as the Q round.
-        n_nvl = np.maximum(c_nvl.sum(1), c_nvl.sum(0))  # [I]
-        n_rdma = np.maximum(c_rdma.sum(1), c_rdma.sum(0))  # [I]
+        n_nvl = np.maximum(
+            np.bincount(routes.src[same], minlength=n), np.bincount(routes.dst[same], minlength=n)
+        )  # [I]
+        n_rdma = np.maximum(
+            np.bincount(routes.src[~same], minlength=n), np.bincount(routes.dst[~same], minlength=n)
+        )  # [I]
         nvl, rdma = self.links["nvlink"], self.links["rdma"]
         q_round = np.maximum(nvl.time(self.model.q_bytes * n_nvl), rdma.time(self.model.q_bytes * n_rdma))
         res_round = np.maximum(nvl.time(self.model.res_bytes * n_nvl), rdma.time(self.model.res_bytes * n_rdma))
@@ -357,6 +398,33 @@ class LatencyProfile:
 
     # -- one iteration ---------------------------------------------------------------------------------------
 
+    def _coefs(self, num_instances: int) -> _Coefs:
+        c = self._coef_cache.get(num_instances)
+        if c is None:
+            p = lambda name: self.phase(name, num_instances)  # noqa: E731
+            batch = lambda name: p(name).coefs.get("batch", 0.0)  # noqa: E731
+            att, disp, comb = p("attention"), p("moe_dispatch"), p("moe_combine")
+            c = self._coef_cache[num_instances] = _Coefs(
+                attn=att.const,
+                attn_kv=att.coefs.get("kv_tokens", 0.0),
+                attn_rows=att.coefs.get("shards", 0.0),
+                merge=p("merge").const,
+                merge_partial=p("merge").coefs.get("partials", 0.0),
+                dense=p("dense").const,
+                dense_b=batch("dense"),
+                shared=p("shared_expert").const,
+                shared_b=batch("shared_expert"),
+                mlp=p("dense_mlp").const,
+                mlp_b=batch("dense_mlp"),
+                expert=p("expert").const,
+                expert_b=batch("expert"),
+                a2a=disp.const + comb.const,
+                a2a_b=batch("moe_dispatch") + batch("moe_combine"),
+                it=p("iteration").const,
+                it_b=batch("iteration"),
+            )
+        return c
+
     def iteration_cost(
         self,
         kv_tokens: Sequence[float],
@@ -376,48 +444,55 @@ class LatencyProfile:
         b = np.asarray(batch, dtype=float)
         if len(b) == 0 or not len(kv) == len(rows) == len(b):
             raise ProfileError(f"need equal non-empty per-instance arrays, got {len(kv)}, {len(rows)}, {len(b)}")
-        n = num_instances or len(b)
-        nodes = np.arange(len(b)) // self.instances_per_node if node_of is None else np.asarray(node_of)
-        attn = self.attention_time(kv, rows, n)  # [I]
-        cp = np.zeros(len(b))
+        c = self._coefs(num_instances or len(b))
+        attn = c.attn + c.attn_kv * kv + c.attn_rows * rows  # [I] per layer
+        cp = 0.0
         if routes is not None and routes.total:
-            partials = routes.count.sum(1) - np.diag(routes.count)  # remote partials merged at each MoE instance
-            cp = self.cp_comm_time(routes, nodes) + self.merge_time(partials, n)
-        dense = self.phase("dense", n)(batch=b)
-        shared = self.phase("shared_expert", n)(batch=b)
-        mlp = self.phase("dense_mlp", n)(batch=b)
-        iter_local = self.phase("iteration", n)(batch=b)
-        dispatch, combine = self.moe_a2a_time(float(b.max()), n)
-        expert = float(self.phase("expert", n)(batch=float(b.mean())))
+            nodes = np.arange(len(b)) // self.instances_per_node if node_of is None else np.asarray(node_of)
+            partials = np.bincount(routes.src, minlength=len(b))  # remote partials merged at each MoE instance
+            cp = self.cp_comm_time(routes, nodes) + np.where(partials > 0, c.merge + c.merge_partial * partials, 0)
+        cp = np.broadcast_to(cp, b.shape)
         n_moe, n_dense = self.model.num_moe_layers, self.model.num_dense_layers
-
-        pre = attn + cp + dense + shared  # [I] MoE layer up to dispatch
-        dlayer = attn + cp + dense + mlp  # [I] dense layer
-        a2a = dispatch + combine
+        b_max, b_mean = float(b.max()), float(b.mean())
+        a2a = c.a2a + c.a2a_b * b_max  # dispatch + combine, lock-step on the largest batch
+        expert = c.expert + c.expert_b * b_mean  # every instance receives mean batch x top-k rows
+        local = c.dense + c.dense_b * b  # [I]
+        pre = attn + cp + local + (c.shared + c.shared_b * b)  # [I] MoE layer up to dispatch
+        dlayer = attn + cp + local + (c.mlp + c.mlp_b * b)  # [I] dense layer
+        iter_local = c.it + c.it_b * b  # [I]
         if n_moe > 0:
-            total = float((n_dense * dlayer + pre).max()) + (n_moe - 1) * float(pre.max()) + n_moe * (a2a + expert)
+            first = n_dense * dlayer + pre if n_dense else pre
+            total = float(first.max()) + (n_moe - 1) * float(pre.max()) + n_moe * (a2a + expert)
         else:
             total = float((n_dense * dlayer).max())
         total += float(iter_local.max())
 
         n_layers = n_moe + n_dense
-        other = n_dense * (dense + mlp) + n_moe * (dense + shared + expert) + iter_local
+        other = n_dense * (dlayer - attn - cp) + n_moe * (pre - attn - cp + expert) + iter_local
         per_instance = {"attention": n_layers * attn, "cp_comm": n_layers * cp, "other": other}
         per_instance["moe_a2a"] = total - per_instance["attention"] - per_instance["cp_comm"] - other
         slowest = int(np.argmax(pre if n_moe > 0 else dlayer))
+        layer_local = (pre if n_moe > 0 else dlayer)[slowest] - attn[slowest] - cp[slowest]
         slowest_layer = {
             "attention": float(attn[slowest]),
             "cp_comm": float(cp[slowest]),
             "moe_a2a": a2a if n_moe > 0 else 0.0,
-            "other": float(dense[slowest] + (shared[slowest] + expert if n_moe > 0 else mlp[slowest])),
+            "other": float(layer_local + (expert if n_moe > 0 else 0.0)),
         }
         return IterationCost(total, per_instance, slowest, slowest_layer)
 
     def ideal_iteration_time(self, total_kv_tokens: float, total_batch: float, num_instances: int) -> float:
         """The same work perfectly balanced (mean KV, mean batch, one shard per request) with no CP traffic."""
-        kv = np.array([total_kv_tokens / num_instances])  # [1]: every instance is alike
-        b = np.array([total_batch / num_instances])
-        return self.iteration_cost(kv, b, b, num_instances=num_instances).total_s
+        c = self._coefs(num_instances)
+        kv, b = total_kv_tokens / num_instances, total_batch / num_instances
+        attn = c.attn + c.attn_kv * kv + c.attn_rows * b
+        local = attn + c.dense + c.dense_b * b
+        pre = local + c.shared + c.shared_b * b
+        dlayer = local + c.mlp + c.mlp_b * b
+        n_moe, n_dense = self.model.num_moe_layers, self.model.num_dense_layers
+        moe = c.a2a + c.a2a_b * b + c.expert + c.expert_b * b
+        body = n_dense * dlayer + n_moe * (pre + moe) if n_moe > 0 else n_dense * dlayer
+        return body + c.it + c.it_b * b
 
 
 def _parse_phase(name: str, spec: Mapping[str, Any], scale: float) -> PhaseModel:
@@ -429,6 +504,8 @@ def _parse_phase(name: str, spec: Mapping[str, Any], scale: float) -> PhaseModel
         unknown = set(coefs) - {"const", *PHASE_FEATURES[name]}
         if unknown:
             raise ProfileError(f"phase {name!r} has unknown coefficients {sorted(unknown)}")
+        if any(float(v) < 0 for v in coefs.values()):
+            raise ProfileError(f"phase {name!r} has a negative coefficient: {dict(coefs)}")
         by_ep[int(ep)] = LinearCost(
             float(coefs.get("const", 0.0)) * scale,
             {f: float(coefs[f]) * scale for f in PHASE_FEATURES[name] if f in coefs},

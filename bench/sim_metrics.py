@@ -6,7 +6,8 @@ with one output token have no TPOT and meet any TPOT SLO. E2E = last token - arr
 it finished and its TPOT (and TTFT, if that SLO is set) are within bounds; unfinished and rejected requests never
 meet it. Goodput = requests meeting the SLO per second of makespan (first arrival to last finish).
 
-Imbalance of a per-instance quantity x is max(x) / mean(x) - 1 (0 when the mean is 0).
+Imbalance of a per-instance quantity x is max(x) / mean(x) - 1 (0 when the mean is 0); a run's imbalance summary
+covers the iterations that start within the arrival window (the loaded period, not the final drain).
 """
 
 from __future__ import annotations
@@ -155,7 +156,14 @@ def summarize(requests: Sequence[RequestRecord], log: IterationLog, slo: SLO) ->
     good = sum(r.meets(slo) for r in requests)
     dt = log.array("dt")
     ideal_dt = log.array("ideal_dt")
-    per_layer = {k: float(log.array(f"slowest_{k}").mean() * 1e6) if len(log) else 0.0 for k in _LAYER_KEYS}
+    # Balance is summarised over the loaded period (iterations starting within the arrival window), not the
+    # drain at the end, where a handful of requests make max/mean meaningless.
+    t = log.array("t")
+    window = (t >= min(arrivals)) & (t <= max(arrivals)) if requests and len(log) else np.ones(len(log), bool)
+    if not window.any():
+        window = np.ones(len(log), dtype=bool)
+    kv_imb, batch_imb = log.array("kv_imbalance")[window], log.array("batch_imbalance")[window]
+    per_layer = {k: distribution(log.array(f"slowest_{k}") * 1e6)["mean"] for k in _LAYER_KEYS}
     admitted = [r for r in requests if r.max_cp > 0]
     ideal_tpot = [r.ideal_tpot_s for r in finished]
     ideal_good = sum(1 for r in finished if r.output_len < 2 or r.ideal_tpot_s <= slo.tpot_s)
@@ -177,8 +185,8 @@ def summarize(requests: Sequence[RequestRecord], log: IterationLog, slo: SLO) ->
         preemptions=sum(r.preemptions for r in requests),
         iterations=len(log),
         iteration_s=distribution(dt),
-        kv_imbalance=distribution(log.array("kv_imbalance")) | {"max": _max(log.array("kv_imbalance"))},
-        batch_imbalance=distribution(log.array("batch_imbalance")) | {"max": _max(log.array("batch_imbalance"))},
+        kv_imbalance=distribution(kv_imb) | {"max": _max(kv_imb)},
+        batch_imbalance=distribution(batch_imb) | {"max": _max(batch_imb)},
         hol_blocked_iterations=int(log.array("hol_blocked").sum()),
         hol_blocked_time_s=float((log.array("hol_blocked") * dt).sum()),
         cp_request_fraction=sum(r.max_cp > 1 for r in admitted) / len(admitted) if admitted else 0.0,

@@ -383,6 +383,8 @@ class ClusterSimulator:
             st = self.sched.request_state(sid)
             rows += len(st.kv_split)
             pairs.extend((st.moe_instance, i) for i in st.kv_split if i != st.moe_instance)
+            rec = self.records[self._live[sid].index]
+            rec.max_cp = max(rec.max_cp, len(st.kv_split))
         if rows != total_shards:
             pairs = []
             self._multi.clear()
@@ -390,9 +392,8 @@ class ClusterSimulator:
                 if len(split) > 1:
                     self._multi.add(sid)
                     pairs.extend((moe, i) for i in split if i != moe)
-        for sid in self._multi:
-            rec = self.records[self._live[sid].index]
-            rec.max_cp = max(rec.max_cp, len(self.sched.request_state(sid).kv_split))
+                    rec = self.records[self._live[sid].index]
+                    rec.max_cp = max(rec.max_cp, len(split))
         if not pairs:
             return None
         return RouteCounts.from_pairs(pairs, self.spec.num_instances)

@@ -147,7 +147,8 @@ def test_cp_comm_by_hand():
     p = LatencyProfile.from_dict(toy_profile_dict())
     count = np.zeros((4, 4), dtype=int)
     count[0, 1], count[0, 2] = 3, 1
-    routes = RouteCounts(count)
+    routes = RouteCounts.from_matrix(count)
+    assert np.array_equal(routes.count, count) and routes.total == 4
     q, r = p.model.q_bytes, p.model.res_bytes  # 2*6*2 = 24, 2*(4*2+4) = 24
     assert (q, r) == (24, 24)
     nvl = lambda n, b: 1.0 + n * b / 1.0  # noqa: E731  (latency 1 s, 1 byte/s)

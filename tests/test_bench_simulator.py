@@ -8,7 +8,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from nanocp.bench.latency_profile import LatencyProfile
-from nanocp.bench.sim_metrics import SLO, bisect_capacity, distribution, imbalance
+from nanocp.bench.sim_metrics import (
+    SLO,
+    IterationLog,
+    RequestRecord,
+    bisect_capacity,
+    distribution,
+    imbalance,
+    summarize,
+)
 from nanocp.bench.simulator import (
     QueuedPrefillTier,
     SimConfig,
@@ -99,6 +107,26 @@ def test_distribution_ignores_nan():
     d = distribution([1.0, math.nan, 3.0, 2.0])
     assert d["mean"] == 2.0 and d["p50"] == 2.0
     assert math.isnan(distribution([math.nan])["p99"])
+
+
+def test_summarize_by_hand():
+    recs = [
+        RequestRecord("a", 0.0, 10, 3, first_token_s=0.5, finish_s=1.5, status="finished"),  # TPOT 0.5
+        RequestRecord("b", 2.0, 10, 5, first_token_s=2.2, finish_s=2.6, status="finished", max_cp=2),  # TPOT 0.1
+        RequestRecord("c", 1.0, 10, 2, status="rejected"),
+        RequestRecord("d", 1.5, 10, 1, first_token_s=1.6, finish_s=1.6, status="finished", max_cp=1),
+    ]
+    log = IterationLog()
+    for t, kv_imb in ((0.0, 0.1), (1.0, 0.2), (2.0, 0.3), (5.0, 9.0)):  # the last one is after the arrivals
+        log.append(t=t, dt=0.5, ideal_dt=0.25, kv_imbalance=kv_imb, batch_imbalance=0.0, hol_blocked=float(t == 1.0))
+    m = summarize(recs, log, SLO(tpot_s=0.2))
+    assert (m.finished, m.rejected, m.unfinished) == (3, 1, 0)
+    assert m.makespan_s == 2.6 and m.slo_attainment == 0.5  # b and d (one token, no TPOT) meet it
+    assert m.goodput_rps == pytest.approx(2 / 2.6) and m.output_throughput_tps == pytest.approx(9 / 2.6)
+    assert m.tpot_s["mean"] == pytest.approx(0.3) and m.ttft_s["p50"] == pytest.approx(0.2)
+    assert m.kv_imbalance["mean"] == pytest.approx(0.2) and m.kv_imbalance["max"] == pytest.approx(0.3)
+    assert m.hol_blocked_iterations == 1 and m.hol_blocked_time_s == 0.5
+    assert m.cp_request_fraction == 0.5 and m.ideal["busy_time_ratio"] == 2.0
 
 
 def test_slo_validation():
