@@ -73,7 +73,17 @@ def _first_real_error(errors: list[BaseException]) -> BaseException:
     return (real or errors)[0]
 
 
-class ThreadCluster:
+class _LocalPools:
+    """Clusters whose KV pools live in this process's (shared) memory: prefill writes them directly."""
+
+    pools: list[PagedKVPool]
+
+    def write_kv(self, instance: int, frames: list[int], kv: torch.Tensor) -> None:
+        """kv [L, n, Dkv] -> slots 0..n-1 of a shard whose pages are `frames` on `instance`."""
+        self.pools[instance].write_range(frames, 0, kv)
+
+
+class ThreadCluster(_LocalPools):
     """One thread per instance, an in-process fabric between them."""
 
     def __init__(self, cfg: ClusterConfig) -> None:
@@ -141,7 +151,7 @@ def _process_main(cfg: ClusterConfig, rank: int, fabric_info, pool_kv: torch.Ten
         fabric.close()
 
 
-class ProcessCluster:
+class ProcessCluster(_LocalPools):
     """One process per instance (spawned), a shared-memory fabric between them; KV pools in shared memory."""
 
     def __init__(self, cfg: ClusterConfig, start_timeout_s: float = 120.0) -> None:

@@ -134,6 +134,7 @@ class Engine:
         self.cluster = make_cluster(config.backend, cluster_cfg)
         self.requests: dict[str, _Request] = {}
         self._done: list[RequestOutput] = []
+        self.last_updated: list[str] = []  # requests that received tokens in the last step (for streaming)
         self.iterations = 0
 
     # ------------------------------------------------------------------ requests
@@ -177,6 +178,7 @@ class Engine:
         """One decode iteration; returns the requests that ended in it."""
         plan = self.scheduler.step()
         self.iterations += 1
+        self.last_updated = []
         for rid in plan.finished:
             self._on_scheduler_finished(rid)
         for rid in plan.rejected:
@@ -211,7 +213,7 @@ class Engine:
         start = 0
         for instance, n_tokens, frames in self.scheduler.shard_pages(rid):
             n_context = n_tokens - (1 if instance == moe else 0)  # the moe shard's last slot is the new token
-            self.cluster.pools[instance].write_range(frames, 0, out.kv[:, start : start + n_context])
+            self.cluster.write_kv(instance, frames, out.kv[:, start : start + n_context])
             start += n_context
         if start != context_len:
             raise RuntimeError(f"request {rid}: shards hold {start} context tokens, expected {context_len}")
@@ -225,6 +227,7 @@ class Engine:
             req.metrics.first_token_time = now
         req.metrics.token_times.append(now)
         req.output.append(token)
+        self.last_updated.append(req.rid)
         if logits is not None:
             req.logits.append(logits)
         reason = self._stop_reason(req, token)
