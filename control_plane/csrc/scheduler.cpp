@@ -1,5 +1,158 @@
+// nanobind bindings of SchedulerCore: `nanocp.control_plane._core.SchedulerCore`, the same interface as
+// control_plane/reference.py ReferenceCore. Routing tables and batch handles go to numpy without copies: each array
+// owns (through a capsule) a reference to the C++ buffer it views.
+#include <nanobind/ndarray.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
+
 #include "bindings.h"
+#include "scheduler.h"
 
 namespace nanocp {
-void bind_scheduler(nb::module_& m) { m.attr("CORE_VERSION") = 1; }
+namespace {
+
+using sched::SchedulerCore;
+using sched::TableBuffer;
+using Int32Array = nb::ndarray<nb::numpy, int32_t, nb::ndim<1>>;
+using Int64Array = nb::ndarray<nb::numpy, int64_t, nb::ndim<1>>;
+
+// Python's SchedulerError (a ValueError), so callers catch the same type from either core.
+PyObject* scheduler_error_type() {
+  static PyObject* type = nullptr;
+  if (!type) {
+    nb::object cls = nb::module_::import_("nanocp.control_plane.spec").attr("SchedulerError");
+    type = cls.release().ptr();
+  }
+  return type;
+}
+
+void translate_exceptions(const std::exception_ptr& p, void*) {
+  try {
+    std::rethrow_exception(p);
+  } catch (const sched::SchedulerError& e) {
+    PyErr_SetString(scheduler_error_type(), e.what());
+  } catch (const sched::InvariantError& e) {
+    PyErr_SetString(PyExc_AssertionError, e.what());
+  } catch (const sched::UnknownHandle& e) {
+    nb::object key = nb::int_(e.handle);
+    PyErr_SetObject(PyExc_KeyError, key.ptr());
+  }
+}
+
+// A view of buf[offset:offset+size] as a numpy int32 array that keeps the buffer alive.
+nb::object table_array(const std::shared_ptr<TableBuffer>& buf, size_t size) {
+  auto* keep = new std::shared_ptr<TableBuffer>(buf);
+  nb::capsule owner(keep, [](void* q) noexcept { delete static_cast<std::shared_ptr<TableBuffer>*>(q); });
+  return nb::cast(Int32Array(buf->data.get(), {size}, owner), nb::rv_policy::reference);
+}
+
+nb::object lower_all(SchedulerCore& core) {
+  std::vector<size_t> offsets;
+  std::shared_ptr<TableBuffer> buf = core.lower_all(offsets);
+  nb::object whole = table_array(buf, offsets.back());
+  const size_t n = offsets.size() - 1;
+  nb::list out;
+  for (size_t i = 0; i < n; ++i) out.append(whole[nb::slice(offsets[i], offsets[i + 1])]);
+  return out;
+}
+
+nb::object lower_one(SchedulerCore& core, int instance) {
+  size_t size = 0;
+  std::shared_ptr<TableBuffer> buf = core.lower(instance, size);
+  return table_array(buf, size);
+}
+
+nb::object batch_handles(SchedulerCore& core) {
+  auto* handles = new std::vector<int64_t>(core.batch_handles());
+  nb::capsule owner(handles, [](void* q) noexcept { delete static_cast<std::vector<int64_t>*>(q); });
+  return nb::cast(Int64Array(handles->data(), {handles->size()}, owner), nb::rv_policy::reference);
+}
+
+nb::list int_list(const std::vector<int64_t>& v) {
+  nb::list out;
+  for (int64_t x : v) out.append(x);
+  return out;
+}
+
+nb::tuple loads(const SchedulerCore& core) {
+  std::vector<int64_t> free(core.shape().num_instances);
+  for (int i = 0; i < core.shape().num_instances; ++i) free[i] = core.free_frames(i);
+  return nb::make_tuple(int_list(core.kv_tokens()), int_list(core.moe_batch()), int_list(core.num_shards()),
+                        int_list(free));
+}
+
+nb::tuple request_info(const SchedulerCore& core, int64_t handle) {
+  const sched::Request& r = core.request(handle);
+  return nb::make_tuple(r.prompt_len, r.max_new_tokens, core.decode_steps(r), int(r.status), r.moe);
+}
+
+nb::tuple binding(const SchedulerCore& core, int64_t handle) {
+  const sched::Request& r = core.request(handle);
+  nb::list shards;
+  for (int32_t k = 0; k < r.nshards; ++k) shards.append(nb::make_tuple(r.shards[k].instance, r.shards[k].tokens));
+  return nb::make_tuple(r.moe, shards);
+}
+
+nb::list shard_pages(const SchedulerCore& core, int64_t handle) {
+  const sched::Request& r = core.request(handle);
+  nb::list out;
+  for (int32_t k = 0; k < r.nshards; ++k) {
+    const sched::Shard& s = r.shards[k];
+    nb::list frames;
+    for (int32_t f : s.frames) frames.append(f);
+    out.append(nb::make_tuple(s.instance, s.tokens, frames));
+  }
+  return out;
+}
+
+nb::list admitted(const SchedulerCore& core) {
+  nb::list out;
+  for (const auto& [handle, context, recompute] : core.last_admitted())
+    out.append(nb::make_tuple(handle, context, recompute));
+  return out;
+}
+
+}  // namespace
+
+void bind_scheduler(nb::module_& m) {
+  m.attr("CORE_VERSION") = 1;
+  nb::register_exception_translator(translate_exceptions);
+  nb::class_<SchedulerCore>(m, "SchedulerCore",
+                            "C++ decode control-plane core; same interface and decisions as ReferenceCore.")
+      .def(
+          "__init__",
+          [](SchedulerCore* self, int64_t num_nodes, int64_t instances_per_node, int64_t kv_capacity_tokens,
+             int64_t page_size, const std::string& policy, const std::vector<int64_t>& cp_max_lens,
+             const std::vector<int64_t>& cp_cps, int64_t max_batch_per_instance) {
+            const std::string policy_repr = nb::repr(nb::str(policy.c_str(), policy.size())).c_str();
+            new (self) SchedulerCore(num_nodes, instances_per_node, kv_capacity_tokens, page_size, policy,
+                                     policy_repr, cp_max_lens, cp_cps, max_batch_per_instance);
+          },
+          nb::arg("num_nodes"), nb::arg("instances_per_node"), nb::arg("kv_capacity_tokens"), nb::arg("page_size"),
+          nb::arg("policy"), nb::arg("cp_max_lens"), nb::arg("cp_cps"), nb::arg("max_batch_per_instance") = 0)
+      .def("add_request", &SchedulerCore::add_request, nb::arg("handle"), nb::arg("prompt_len"),
+           nb::arg("max_new_tokens"))
+      .def("finish", &SchedulerCore::finish, nb::arg("handle"))
+      .def("step", &SchedulerCore::step)
+      .def("max_context", &SchedulerCore::max_context)
+      .def_prop_ro("iteration", &SchedulerCore::iteration)
+      .def_prop_ro("last_admitted", &admitted)
+      .def_prop_ro("last_finished", [](const SchedulerCore& c) { return int_list(c.last_finished()); })
+      .def_prop_ro("last_preempted", [](const SchedulerCore& c) { return int_list(c.last_preempted()); })
+      .def_prop_ro("last_rejected", [](const SchedulerCore& c) { return int_list(c.last_rejected()); })
+      .def("batch_handles", &batch_handles, "Handles of the running requests in batch order (numpy int64).")
+      .def("num_waiting", &SchedulerCore::num_waiting)
+      .def("loads", &loads, "(kv_tokens, moe_batch, num_shards, free_pages) per instance.")
+      .def("request_info", &request_info, nb::arg("handle"),
+           "(prompt_len, max_new_tokens, decode_steps, status, moe_instance)")
+      .def("binding", &binding, nb::arg("handle"), "(moe_instance, [(instance, n_tokens), ...]) in binding order.")
+      .def("shard_pages", &shard_pages, nb::arg("handle"), "[(instance, n_tokens, [frames])] in binding order.")
+      .def("lower_all", &lower_all, "Per instance, the int32 routing table of the current iteration.")
+      .def("lower", &lower_one, nb::arg("instance"), "One instance's int32 routing table.")
+      .def("check_invariants", &SchedulerCore::check_invariants)
+      .def_prop_ro("last_step_ns", &SchedulerCore::last_step_ns, "C++ wall time of the last step() (ns).")
+      .def_prop_ro("last_lower_ns", &SchedulerCore::last_lower_ns,
+                   "C++ wall time of the last lower_all()/lower() before the numpy wrapping (ns).");
+}
+
 }  // namespace nanocp

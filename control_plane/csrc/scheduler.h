@@ -1,0 +1,218 @@
+// SchedulerCore: the C++ control-plane core, a step-for-step port of control_plane/reference.py (ReferenceCore).
+//
+// Same decisions as the reference, cheaper bookkeeping:
+//  - requests live in a slot pool (flat vector), handles map to slots once per API call;
+//  - decode_steps of running requests is implicit (offset + number of finished steps);
+//  - requests due to finish next step are collected while the growth pass visits them;
+//  - only multi-shard requests take part in MoE rebalancing, ordered by a stable counting sort;
+//  - every shard keeps its frames contiguous, so lowering memcpy's block tables into pooled output buffers.
+#pragma once
+#include <cstdint>
+#include <memory>
+#include <stdexcept>
+#include <string>
+#include <tuple>
+#include <unordered_map>
+#include <vector>
+
+#include "page_table.h"
+
+namespace nanocp::sched {
+
+// Bad input (raised in Python as nanocp.control_plane.spec.SchedulerError, a ValueError).
+struct SchedulerError : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+// A broken bookkeeping invariant (raised in Python as AssertionError, like the reference's asserts).
+struct InvariantError : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+// Unknown handle in a read-only query (raised in Python as KeyError(handle), like a dict lookup).
+struct UnknownHandle {
+  int64_t handle;
+};
+
+enum Policy : int { kNanoCP, kLeastBatch, kLeastCache, kRoundRobin, kUniformCP };
+enum Status : int8_t { kWaiting = 0, kRunning = 1, kFree = -1 };
+
+struct Shard {
+  int32_t instance = -1;
+  int64_t tokens = 0;
+  std::vector<int32_t> frames;   // [pages] physical frames on `instance`, in token order
+  std::vector<int32_t> logical;  // [pages] logical page ids (global page table), in token order
+  bool has_room_in_tail(int64_t page) const { return int64_t(frames.size()) * page > tokens; }
+};
+
+struct Request {
+  int32_t moe = -1;        // MoE instance (running only)
+  int32_t moe_shard = -1;  // index of the shard on `moe`
+  int32_t nshards = 0;     // live shards: shards[0:nshards] in binding order; the rest keep capacity for reuse
+  int32_t run_pos = -1;    // position in the running list
+  int8_t status = kFree;
+  int64_t decode_base = 0;  // waiting: decode_steps; running: decode_steps - finished steps
+  int64_t max_new_tokens = 0;
+  int64_t context_len = 0;  // sum of shard tokens
+  int64_t uid = -1;         // unique per add_request; tells stale list entries apart after slot reuse
+  int64_t admit_seq = -1;
+  int64_t handle = 0;
+  int64_t prompt_len = 0;
+  int64_t preempted_at = -1;  // iteration of the last preemption
+  std::vector<Shard> shards;
+};
+
+// An int32 output buffer shared with numpy; reused once Python has dropped every view of it.
+struct TableBuffer {
+  std::unique_ptr<int32_t[]> data;
+  size_t capacity = 0;
+};
+
+struct ClusterShape {
+  int num_nodes = 0;
+  int instances_per_node = 0;
+  int num_instances = 0;
+  int64_t page_size = 0;
+  int32_t frames_per_instance = 0;
+};
+
+class SchedulerCore {
+ public:
+  SchedulerCore(int64_t num_nodes, int64_t instances_per_node, int64_t kv_capacity_tokens, int64_t page_size,
+                const std::string& policy, const std::string& policy_repr, const std::vector<int64_t>& cp_max_lens,
+                const std::vector<int64_t>& cp_cps, int64_t max_batch_per_instance);
+
+  // requests in and out
+  void add_request(int64_t handle, int64_t prompt_len, int64_t max_new_tokens);
+  void finish(int64_t handle);
+  void step();
+  int64_t max_context() const { return max_context_; }
+
+  // views
+  int64_t iteration() const { return iteration_; }
+  const std::vector<std::tuple<int64_t, int64_t, bool>>& last_admitted() const { return last_admitted_; }
+  const std::vector<int64_t>& last_finished() const { return last_finished_; }
+  const std::vector<int64_t>& last_preempted() const { return last_preempted_; }
+  const std::vector<int64_t>& last_rejected() const { return last_rejected_; }
+  std::vector<int64_t> batch_handles();
+  int64_t num_waiting() const { return num_waiting_; }
+  int64_t free_frames(int instance) const { return pages_.free_frames(instance); }
+  const std::vector<int64_t>& kv_tokens() const { return kv_tokens_; }
+  const std::vector<int64_t>& moe_batch() const { return moe_batch_; }
+  const std::vector<int64_t>& num_shards() const { return num_shards_; }
+  const Request& request(int64_t handle) const;  // throws UnknownHandle
+  int64_t decode_steps(const Request& r) const { return r.status == kRunning ? r.decode_base + step_ends_ : r.decode_base; }
+  int32_t frame_of(int32_t logical) const { return pages_.page_frame(logical); }
+  const ClusterShape& shape() const { return shape_; }
+
+  // Lower every instance into one pooled buffer: instance i's table is data[offsets[i]:offsets[i+1]].
+  std::shared_ptr<TableBuffer> lower_all(std::vector<size_t>& offsets);
+  // Lower one instance only (full pass for the row numbering, block copies for `instance` only).
+  std::shared_ptr<TableBuffer> lower(int instance, size_t& size);
+  void check_invariants();
+
+  // wall time of the last step() and of the last lower_all()/lower() inside C++ (diagnostics for benchmarks)
+  int64_t last_step_ns() const { return last_step_ns_; }
+  int64_t last_lower_ns() const { return last_lower_ns_; }
+
+ private:
+  struct Ref {  // a list entry naming a request; stale once the slot's uid changed
+    int32_t slot;
+    int64_t uid;
+  };
+  struct MultiRef {  // a running multi-shard request, in batch (admission) order
+    int64_t admit_seq;
+    int32_t slot;
+  };
+  struct Cursor;  // per-instance write cursor while lowering
+
+  // requests
+  int32_t slot_of(int64_t handle) const;
+  int32_t new_slot();
+  void delete_request(int32_t slot);
+  void compact_running();
+  void remove_running(int32_t slot);
+
+  // one iteration
+  void finish_completed();
+  void finish_slot(int32_t slot);
+  void rebalance_moe();
+  void grow_all();
+  bool grow_slow(int32_t slot);
+  int growth_target(const Request& r) const;
+  bool has_room(const Request& r, int instance) const;
+  void preempt(int32_t slot);
+  void release(Request& r);
+  void add_tokens(Shard& s, int64_t n);
+  void add_shard(Request& r, int instance);
+  void bind_moe(Request& r, int instance);
+  void unbind_moe(Request& r);
+  void admit_waiting();
+  bool admit_one(int32_t slot, std::vector<Ref>& still_waiting);
+
+  // placement (fills split_ with (instance, tokens) in split order)
+  bool place(int64_t context, int& moe);
+  bool place_single(int64_t context, int& moe);
+  bool place_nanocp(int64_t context, int& moe);
+  bool place_uniform(int64_t context, int& moe);
+  bool can_allocate(int moe) const;
+  bool batch_open(int instance) const { return !max_batch_ || moe_batch_[instance] < max_batch_; }
+  int64_t cp_lookup(int64_t length) const;
+  void commit(int32_t slot, int moe);
+
+  // lowering
+  size_t table_size(int instance) const;
+  void start_table(int instance, int32_t* base, size_t total, Cursor& cursor) const;
+  template <bool kAll>
+  void write_tables(std::vector<Cursor>& cursors, int only);
+  std::shared_ptr<TableBuffer> pooled_buffer(size_t size);
+
+  ClusterShape shape_;
+  Policy policy_ = kNanoCP;
+  int64_t policy_arg_ = 0;
+  std::vector<int64_t> cp_max_lens_, cp_cps_;
+  int64_t max_batch_ = 0;
+  int64_t max_context_ = 0;
+  int64_t room_ = 0;  // tokens an instance can take besides one new token
+
+  PageTable pages_;
+  std::vector<int64_t> kv_tokens_;   // [instances] KV tokens held
+  std::vector<int64_t> moe_batch_;   // [instances] requests whose MoE binding is here
+  std::vector<int64_t> num_shards_;  // [instances] shards held
+  std::vector<int64_t> remote_out_;  // [instances] remote shards of the requests whose MoE binding is here
+  std::vector<int64_t> node_batch_;  // [nodes] requests owned by the node's instances
+
+  std::vector<Request> reqs_;  // slot pool
+  std::vector<int32_t> free_slots_;
+  std::unordered_map<int64_t, int32_t> slot_of_handle_;
+  std::vector<int32_t> running_;  // slots in batch order; -1 = removed (compacted lazily)
+  int64_t running_dead_ = 0;
+  std::vector<Ref> waiting_;  // queue order; stale entries are skipped and dropped at admission
+  int64_t num_waiting_ = 0;
+  int64_t waiting_single_token_ = 0;  // waiting requests with max_new_tokens == 1
+  std::vector<Ref> due_;              // running requests whose decode budget ends before the next step
+  std::vector<MultiRef> multi_;       // nanocp: running requests with >= 2 shards, in batch order
+  std::vector<int32_t> preempted_slots_;
+  std::vector<int32_t> single_token_;
+
+  int64_t iteration_ = -1;
+  int64_t step_ends_ = 0;  // completed step() calls
+  int64_t rr_cursor_ = 0;
+  int64_t admit_counter_ = 0;
+  int64_t uid_counter_ = 0;
+  std::vector<int64_t> finished_pending_;
+  std::vector<std::tuple<int64_t, int64_t, bool>> last_admitted_;
+  std::vector<int64_t> last_finished_, last_preempted_, last_rejected_;
+
+  // scratch (no per-step allocation)
+  std::vector<std::pair<int32_t, int64_t>> split_;  // (instance, tokens) in split order
+  std::vector<int32_t> members_, order_;
+  std::vector<int64_t> loads_, fill_;
+  std::vector<int32_t> node_order_;
+  std::vector<Ref> still_waiting_;
+  std::vector<MultiRef> multi_sorted_;
+  std::vector<int64_t> multi_count_;
+  std::vector<std::shared_ptr<TableBuffer>> pool_;
+
+  int64_t last_step_ns_ = 0, last_lower_ns_ = 0;
+};
+
+}  // namespace nanocp::sched

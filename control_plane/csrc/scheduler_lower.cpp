@@ -1,0 +1,258 @@
+// Lowering of the current batch into per-instance int32 routing tables (layout: control_plane/lowering.py), and the
+// bookkeeping invariant check (reference.py check_invariants, plus the C++-only indexes).
+#include <chrono>
+#include <climits>
+#include <cstring>
+#include <unordered_set>
+
+#include "scheduler.h"
+
+namespace nanocp::sched {
+namespace {
+
+constexpr int32_t kMagic = 0x4E435031;  // "NCP1"
+constexpr int32_t kVersion = 1;
+constexpr size_t kHeaderInts = 16;
+constexpr size_t kPoolSize = 4;  // output buffers kept for reuse
+
+}  // namespace
+
+// Row counts per section follow from the incremental per-instance counters: every MoE row is a request bound here,
+// every shard row a shard held here, every block an allocated frame here; q_recv/res_send = shards held here for a
+// request bound elsewhere; q_send/res_recv = remote shards of the requests bound here.
+struct SchedulerCore::Cursor {
+  int32_t* moe = nullptr;  // [n_moe, 3]
+  int32_t* shards = nullptr;  // [n_shards, 5]
+  int32_t* blocks = nullptr;  // [n_blocks]
+  int32_t* q_send = nullptr;  // [n_q_send, 3]
+  int32_t* q_recv = nullptr;  // [n_q_recv, 2]
+  int32_t* res_send = nullptr;  // [n_res_send, 3]
+  int32_t* res_recv = nullptr;  // [n_res_recv, 2]
+  int32_t n_moe = 0, n_shards = 0, n_blocks = 0, n_remote_in = 0, n_remote_out = 0;
+};
+
+size_t SchedulerCore::table_size(int i) const {
+  const int64_t moe = moe_batch_[i], shards = num_shards_[i], blocks = shape_.frames_per_instance - pages_.free_frames(i);
+  const int64_t remote_in = shards - moe, remote_out = remote_out_[i];
+  return kHeaderInts + 3 * moe + 5 * shards + blocks + 5 * remote_out + 5 * remote_in;
+}
+
+std::shared_ptr<TableBuffer> SchedulerCore::pooled_buffer(size_t size) {
+  std::shared_ptr<TableBuffer> buf;
+  for (auto& cand : pool_)  // free = only the pool holds it (Python dropped every array viewing it)
+    if (cand.use_count() == 1 && (!buf || cand->capacity > buf->capacity)) buf = cand;
+  if (!buf) {
+    buf = std::make_shared<TableBuffer>();
+    if (pool_.size() < kPoolSize) pool_.push_back(buf);
+  }
+  if (buf->capacity < size) {
+    buf->capacity = std::max(size, buf->capacity + buf->capacity / 2);
+    buf->data.reset(new int32_t[buf->capacity]);
+  }
+  return buf;
+}
+
+// Write instance i's header at `base` and point its cursor at the (still empty) sections.
+void SchedulerCore::start_table(int i, int32_t* base, size_t total, Cursor& c) const {
+  const int64_t moe = moe_batch_[i], shards = num_shards_[i], blocks = shape_.frames_per_instance - pages_.free_frames(i);
+  const int64_t remote_out = remote_out_[i], remote_in = shards - moe;
+  const int32_t header[kHeaderInts] = {kMagic, kVersion, int32_t(i), int32_t(iteration_), int32_t(moe), int32_t(shards),
+                                       int32_t(blocks), int32_t(remote_out), int32_t(remote_in), int32_t(remote_in),
+                                       int32_t(remote_out), int32_t(total), 0, 0, 0, 0};
+  std::memcpy(base, header, sizeof(header));
+  c.moe = base + kHeaderInts;
+  c.shards = c.moe + 3 * moe;
+  c.blocks = c.shards + 5 * shards;
+  c.q_send = c.blocks + blocks;
+  c.q_recv = c.q_send + 3 * remote_out;
+  c.res_send = c.q_recv + 2 * remote_in;
+  c.res_recv = c.res_send + 3 * remote_in;
+}
+
+// One pass over the batch (lowering.py lower_reference). kAll: write every instance; else only `only`, while still
+// counting rows everywhere (receive rows are numbered across instances).
+template <bool kAll>
+void SchedulerCore::write_tables(std::vector<Cursor>& cur, int only) {
+  for (size_t g = 0; g < running_.size(); ++g) {
+    const Request& r = reqs_[running_[g]];
+    if (r.context_len > INT32_MAX) throw std::overflow_error("context length does not fit the int32 routing table");
+    const int m = r.moe;
+    Cursor& cm = cur[m];
+    const bool write_m = kAll || m == only;
+    const int32_t moe_row = cm.n_moe++;
+    int32_t* moe_entry = write_m ? cm.moe + 3 * size_t(moe_row) : nullptr;
+    if (write_m) {
+      moe_entry[0] = int32_t(g);
+      moe_entry[1] = int32_t(r.context_len - 1);
+    }
+    for (int32_t k = 0; k < r.nshards; ++k) {
+      const Shard& s = r.shards[k];
+      const int inst = s.instance;
+      Cursor& ct = cur[inst];
+      const bool write_t = kAll || inst == only;
+      const int32_t shard_idx = ct.n_shards++;
+      int32_t source = -1;
+      if (inst == m) {
+        if (write_m) moe_entry[2] = shard_idx;
+      } else {
+        source = ct.n_remote_in++;
+        const int32_t res_row = cm.n_remote_out++;
+        if (write_t) {
+          int32_t* q_recv = ct.q_recv + 2 * size_t(source);
+          q_recv[0] = m;
+          q_recv[1] = shard_idx;
+          int32_t* res_send = ct.res_send + 3 * size_t(source);
+          res_send[0] = shard_idx;
+          res_send[1] = m;
+          res_send[2] = res_row;
+        }
+        if (write_m) {
+          int32_t* q_send = cm.q_send + 3 * size_t(res_row);
+          q_send[0] = moe_row;
+          q_send[1] = inst;
+          q_send[2] = source;
+          int32_t* res_recv = cm.res_recv + 2 * size_t(res_row);
+          res_recv[0] = inst;
+          res_recv[1] = moe_row;
+        }
+      }
+      const int32_t n_frames = int32_t(s.frames.size());
+      if (write_t) {
+        int32_t* row = ct.shards + 5 * size_t(shard_idx);
+        row[0] = int32_t(g);
+        row[1] = source;
+        row[2] = int32_t(s.tokens);
+        row[3] = ct.n_blocks;
+        row[4] = n_frames;
+        std::memcpy(ct.blocks + ct.n_blocks, s.frames.data(), sizeof(int32_t) * size_t(n_frames));
+      }
+      ct.n_blocks += n_frames;
+    }
+  }
+}
+
+std::shared_ptr<TableBuffer> SchedulerCore::lower_all(std::vector<size_t>& offsets) {
+  const auto t0 = std::chrono::steady_clock::now();
+  compact_running();
+  const int n = shape_.num_instances;
+  offsets.resize(n + 1);
+  offsets[0] = 0;
+  for (int i = 0; i < n; ++i) offsets[i + 1] = offsets[i] + table_size(i);
+  auto buf = pooled_buffer(offsets[n]);
+  std::vector<Cursor> cur(n);
+  for (int i = 0; i < n; ++i) start_table(i, buf->data.get() + offsets[i], offsets[i + 1] - offsets[i], cur[i]);
+  write_tables<true>(cur, -1);
+  last_lower_ns_ = std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count();
+  return buf;
+}
+
+std::shared_ptr<TableBuffer> SchedulerCore::lower(int instance, size_t& size) {
+  if (instance < 0 || instance >= shape_.num_instances)
+    throw std::out_of_range("instance " + std::to_string(instance) + " out of range [0, " +
+                            std::to_string(shape_.num_instances) + ")");
+  const auto t0 = std::chrono::steady_clock::now();
+  compact_running();
+  size = table_size(instance);
+  auto buf = std::make_shared<TableBuffer>();  // not pooled: a single table is small and callers may keep it
+  buf->capacity = size;
+  buf->data.reset(new int32_t[size]);
+  // Every other instance gets a null cursor base: its rows are counted, never written.
+  std::vector<Cursor> cur(shape_.num_instances);
+  start_table(instance, buf->data.get(), size, cur[instance]);
+  write_tables<false>(cur, instance);
+  last_lower_ns_ = std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count();
+  return buf;
+}
+
+// ------------------------------------------------------------------ invariants
+
+void SchedulerCore::check_invariants() {
+  auto require = [](bool ok, const std::string& what) {
+    if (!ok) throw InvariantError(what);
+  };
+  compact_running();
+  const int n = shape_.num_instances;
+  const int64_t page = shape_.page_size;
+  std::vector<int64_t> kv(n, 0), batch(n, 0), shards(n, 0), remote(n, 0), node(shape_.num_nodes, 0);
+  std::vector<int64_t> used(n, 0);
+  std::vector<char> page_seen(pages_.total_pages(), 0);
+  std::vector<std::vector<char>> frame_seen(n, std::vector<char>(shape_.frames_per_instance, 0));
+  int64_t seen_pages = 0, multi_shard = 0;
+  for (size_t g = 0; g < running_.size(); ++g) {
+    const int32_t slot = running_[g];
+    const Request& r = reqs_[slot];
+    require(r.status == kRunning, "batch holds a request that is not running");
+    require(r.run_pos == int32_t(g), "run_pos out of date");
+    require(g == 0 || reqs_[running_[g - 1]].admit_seq < r.admit_seq, "batch is not in admission order");
+    require(r.nshards >= 1 && r.moe_shard >= 0 && r.moe_shard < r.nshards && r.shards[r.moe_shard].instance == r.moe,
+            "MoE instance must hold a shard");
+    batch[r.moe] += 1;
+    node[r.moe / shape_.instances_per_node] += 1;
+    remote[r.moe] += r.nshards - 1;
+    multi_shard += r.nshards >= 2;
+    int64_t context = 0;
+    for (int32_t k = 0; k < r.nshards; ++k) {
+      const Shard& s = r.shards[k];
+      for (int32_t j = 0; j < k; ++j) require(r.shards[j].instance != s.instance, "two shards on one instance");
+      require(s.tokens > 0 && int64_t(s.frames.size()) == (s.tokens + page - 1) / page, "shard pages != tokens");
+      require(s.logical.size() == s.frames.size(), "shard logical/frame lists differ in length");
+      kv[s.instance] += s.tokens;
+      shards[s.instance] += 1;
+      context += s.tokens;
+      for (size_t j = 0; j < s.logical.size(); ++j) {
+        const int32_t p = s.logical[j];
+        require(!page_seen[p], "page " + std::to_string(p) + " owned twice");
+        page_seen[p] = 1;
+        ++seen_pages;
+        require(pages_.page_instance(p) == s.instance && pages_.page_frame(p) == s.frames[j],
+                "page table disagrees with shard " + std::to_string(p));
+        require(!frame_seen[s.instance][s.frames[j]], "frame owned twice");
+        frame_seen[s.instance][s.frames[j]] = 1;
+        used[s.instance] += 1;
+      }
+    }
+    require(context == r.context_len, "context_len out of date");
+    // due_ must name every request that is out of decode budget at the next step
+    if (decode_steps(r) >= r.max_new_tokens - 1) {
+      bool listed = false;
+      for (const Ref& e : due_) listed |= e.slot == slot && e.uid == r.uid;
+      require(listed, "a request out of decode budget is missing from the finish list");
+    }
+  }
+  require(kv == kv_tokens_ && batch == moe_batch_ && shards == num_shards_, "per-instance load counters out of date");
+  require(remote == remote_out_ && node == node_batch_, "remote-shard / node counters out of date");
+  for (int i = 0; i < n; ++i) {
+    require(used[i] + pages_.free_frames(i) == shape_.frames_per_instance, "used + free != frames");
+    for (int32_t f : pages_.free_stack(i)) {
+      require(!frame_seen[i][f], "a free frame is also owned");
+      frame_seen[i][f] = 1;
+    }
+  }
+  require(int64_t(pages_.free_logical().size()) + seen_pages == int64_t(pages_.total_pages()),
+          "used_pages != pages owned by shards");
+  for (int32_t p : pages_.free_logical()) require(!page_seen[p] && pages_.page_instance(p) < 0, "free page in use");
+  // waiting and running partition the live requests
+  int64_t live_waiting = 0, live = 0;
+  std::unordered_set<int32_t> queued;
+  for (const Ref& e : waiting_) {
+    const Request& r = reqs_[e.slot];
+    if (r.uid != e.uid || r.status != kWaiting) continue;
+    require(queued.insert(e.slot).second, "request queued twice");
+    require(r.nshards == 0 && r.moe == -1, "waiting request holds KV");
+    ++live_waiting;
+  }
+  for (const Request& r : reqs_) live += r.status != kFree;
+  require(live_waiting == num_waiting_, "num_waiting out of date");
+  require(live == int64_t(running_.size()) + num_waiting_, "waiting and running do not cover the requests");
+  require(int64_t(slot_of_handle_.size()) == live, "handle map out of date");
+  if (policy_ == kNanoCP) {
+    int64_t listed = 0;
+    for (const MultiRef& e : multi_) {
+      const Request& r = reqs_[e.slot];
+      listed += r.status == kRunning && r.admit_seq == e.admit_seq;
+    }
+    require(listed == multi_shard, "multi-shard list out of date");
+  }
+}
+
+}  // namespace nanocp::sched
