@@ -22,7 +22,7 @@ import json
 import math
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -31,7 +31,7 @@ from tqdm import tqdm
 
 from nanocp.control_plane import ClusterSpec, CPBucketTable, GlobalScheduler, SchedulerError
 
-from .latency_profile import LatencyProfile, RouteCounts
+from .latency_profile import IterationCost, LatencyProfile, RouteCounts
 from .sim_metrics import (
     FINISHED,
     REJECTED,
@@ -131,8 +131,10 @@ class SimResult:
 
     def to_dict(self) -> dict[str, Any]:
         cfg = {k: v for k, v in vars(self.config).items() if k not in ("profile", "cp_buckets", "slo")}
-        profile = self.config.profile
+        profile, buckets = self.config.profile, self.config.cp_buckets
         cfg["profile"] = profile if isinstance(profile, str) else profile.name
+        cfg["slo"] = asdict(self.config.slo)
+        cfg["cp_buckets"] = None if buckets is None else {"max_lens": buckets.max_lens, "cps": buckets.cps}
         return {
             "config": cfg,
             "metrics": self.metrics.to_dict(),
@@ -211,8 +213,15 @@ class ClusterSimulator:
     # -- the run ---------------------------------------------------------------------------------------------
 
     def run(self, requests: Sequence[Request]) -> SimResult:
+        if hasattr(self, "records"):
+            raise SimulationError("a ClusterSimulator runs one workload; make a new one (or call simulate())")
         wall0 = time.perf_counter()
         reqs = sorted(requests, key=lambda r: r.arrival_s)
+        if len({r.rid for r in reqs}) != len(reqs):
+            raise SimulationError("request ids in a workload must be unique")
+        bad = [r.rid for r in reqs if r.input_len < 1 or r.output_len < 1]
+        if bad:
+            raise SimulationError(f"requests need input_len >= 1 and output_len >= 1: {bad[:5]}")
         self._reqs = reqs
         self.records = [RequestRecord(r.rid, r.arrival_s, r.input_len, r.output_len) for r in reqs]
         self.log = IterationLog()
@@ -271,7 +280,11 @@ class ClusterSimulator:
         req = self._reqs[live.index]
         first_token = self.prefill.submit(replace(req, rid=sid, input_len=live.prompt_len), now)
         if first:
-            self.records[live.index].first_token_s = first_token
+            rec = self.records[live.index]
+            rec.first_token_s = first_token
+            if live.max_new_tokens == 1:  # prefill produced the only token: nothing to decode
+                rec.finish_s, rec.status = first_token, FINISHED
+                return
         transfer = self.profile.kv_transfer_time(live.prompt_len) if self.config.kv_transfer else 0.0
         self._pending[sid] = live
         self._seq += 1
@@ -405,6 +418,20 @@ class ClusterSimulator:
         need = -(-next(iter(self._waiting.values())) // self.spec.page_size)
         per_node = np.bincount(self.node_of, weights=free_pages, minlength=self.spec.num_nodes)
         return bool((per_node >= need).any())
+
+
+def iteration_cost_of(sched: GlobalScheduler, profile: LatencyProfile, plan: Any) -> IterationCost:
+    """The latency profile's cost of `plan`, the scheduler's latest iteration (e.g. a micro-benchmark's state)."""
+    loads = sched.loads()
+    pairs = [(moe, i) for moe, split in plan.bindings.values() for i in split if i != moe]
+    spec = sched.spec
+    return profile.iteration_cost(
+        [x.kv_tokens for x in loads],
+        [x.shards for x in loads],
+        [x.moe_batch for x in loads],
+        RouteCounts.from_pairs(pairs, spec.num_instances) if pairs else None,
+        np.arange(spec.num_instances) // spec.instances_per_node,
+    )
 
 
 def simulate(

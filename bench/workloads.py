@@ -410,3 +410,41 @@ def workload_summary(requests: Sequence[Request]) -> dict[str, float]:
         out[f"{name}_p50"] = float(np.percentile(v, 50))
         out[f"{name}_p90"] = float(np.percentile(v, 90))
     return out
+
+
+def build_workload(
+    source: str,
+    *,
+    rate: float | None = None,
+    duration_s: float | None = None,
+    num_requests: int | None = None,
+    arrival: str = "poisson",
+    burstiness: float = 1.0,
+    seed: int = 0,
+    time_scale: float | None = None,
+) -> list[Request]:
+    """One entry point for CLIs: a trace replay or a synthetic workload, cut to `duration_s` / `num_requests`.
+
+    source: a trace (azure-conv, azure-code, mooncake, or a CSV/JSONL path with timestamps) replayed with its own
+    timestamps, optionally multiplied by `time_scale` or retimed to `rate`; otherwise a length source name for
+    `length_source` (sharegpt4, github-issue, openrouter, sharegpt4o, mix:<ratio>) with `arrival` at `rate`.
+    """
+    # sharegpt4 has no timestamps: it is a length source, not a replayable trace
+    is_trace = (source in TRACE_FILES and source != "sharegpt4") or Path(source).suffix in (".csv", ".jsonl")
+    if is_trace:
+        reqs = load_trace(source)
+        if time_scale is not None:
+            reqs = scale_arrivals(reqs, time_scale)
+        if rate is not None:
+            reqs = retime_to_rate(reqs, rate)
+    else:
+        if rate is None:
+            raise WorkloadError(f"a synthetic workload ({source}) needs a request rate")
+        if num_requests is None:
+            if duration_s is None or math.isinf(rate):
+                raise WorkloadError("give num_requests, or a duration with a finite rate")
+            num_requests = int(math.ceil(rate * duration_s * 1.5)) + 16  # enough to cover the duration
+        reqs = synthetic_workload(source, num_requests, rate, arrival=arrival, burstiness=burstiness, seed=seed)
+    if duration_s is not None:
+        reqs = truncate_to_duration(reqs, duration_s)
+    return reqs[:num_requests] if num_requests is not None else reqs

@@ -1,5 +1,6 @@
 """bench.simulator + bench.sim_metrics: hand-computed runs, conservation, determinism, balance metrics, capacity."""
 
+import json
 import math
 
 import numpy as np
@@ -18,14 +19,18 @@ from nanocp.bench.sim_metrics import (
     summarize,
 )
 from nanocp.bench.simulator import (
+    ClusterSimulator,
     QueuedPrefillTier,
     SimConfig,
+    SimulationError,
     UnboundedPrefillTier,
     capacity_search,
+    iteration_cost_of,
     simulate,
+    write_result,
 )
 from nanocp.bench.workloads import EmpiricalLengths, GithubIssueLengths, MixedLengths, Request, synthetic_workload
-from nanocp.control_plane import CPBucketTable
+from nanocp.control_plane import ClusterSpec, CPBucketTable, GlobalScheduler
 
 ZERO = {"const": 0.0}
 
@@ -177,7 +182,54 @@ def test_single_token_outputs_need_no_decode():
     res = simulate([Request("x", 0.0, 10, 1)], config(profile=toy_profile()), fixed_prefill(0.01))
     rec = res.requests[0]
     assert rec.status == "finished" and rec.decode_iterations == 0 and math.isnan(rec.tpot_s)
+    assert rec.finish_s == rec.first_token_s == 0.01 and res.metrics.iterations == 0
     assert res.metrics.slo_attainment == 1.0
+
+
+def test_bad_workloads_and_reuse():
+    sim = ClusterSimulator(config(profile=toy_profile()), fixed_prefill(0.0))
+    with pytest.raises(SimulationError, match="unique"):
+        sim.run([Request("a", 0.0, 5, 5), Request("a", 1.0, 5, 5)])
+    sim = ClusterSimulator(config(profile=toy_profile()), fixed_prefill(0.0))
+    with pytest.raises(SimulationError, match="input_len"):
+        sim.run([Request("a", 0.0, 0, 5)])
+    sim = ClusterSimulator(config(profile=toy_profile()), fixed_prefill(0.0))
+    sim.run([Request("a", 0.0, 5, 5)])
+    with pytest.raises(SimulationError, match="one workload"):
+        sim.run([Request("b", 0.0, 5, 5)])
+
+
+def test_requests_that_never_fit_are_rejected():
+    reqs = [Request("big", 0.0, 5000, 3), Request("ok", 0.0, 100, 3)]
+    m = simulate(reqs, config(profile=toy_profile(), policy="least-batch", kv_capacity_tokens=1008), fixed_prefill(0))
+    assert (m.metrics.rejected, m.metrics.finished) == (1, 1)
+    assert [r.status for r in m.requests] == ["rejected", "finished"]
+
+
+def test_write_result(tmp_path):
+    res = simulate([Request("a", 0.0, 5, 4)], config(profile=toy_profile()), fixed_prefill(0.0))
+    json_path, md_path = write_result(res, "toy-run", tmp_path)
+    data = json.loads(json_path.read_text())
+    assert data["metrics"]["finished"] == 1 and data["config"]["profile"] == "toy"
+    assert "model outputs" in data["note"] and "model outputs" in md_path.read_text()
+
+
+@pytest.mark.parametrize("policy,remote_per_request", [("uniform-cp:4", 3), ("least-batch", 0)])
+def test_iteration_cost_of_a_static_state(policy, remote_per_request):
+    """A micro-benchmark state: 16 short requests and one long one on a 4-instance node, one iteration."""
+    prof = LatencyProfile.load("h200-deepseek-v3")
+    sched = GlobalScheduler(ClusterSpec(1, 4, 2_000_000, 64), policy, backend="python")
+    for i in range(16):
+        sched.add_request(f"s{i}", 2048, 100)
+    sched.add_request("long", 512_000, 100)
+    plan = sched.step()
+    cost = iteration_cost_of(sched, prof, plan)
+    remote = sum(len(split) - 1 for _, split in plan.bindings.values())
+    assert remote == remote_per_request * 17
+    assert (cost.per_instance["cp_comm"].sum() > 0) == (remote > 0)
+    if policy == "least-batch":  # the long request's instance is the attention straggler
+        assert cost.slowest == plan.bindings["long"][0]
+        assert cost.slowest_layer["attention"] > 4 * cost.per_instance["attention"].min() / 61
 
 
 # ------------------------------------------------------------------------------------------------ invariants

@@ -17,6 +17,7 @@ from nanocp.bench.workloads import (
     MixedLengths,
     Request,
     WorkloadError,
+    build_workload,
     fixed_rate_arrivals,
     gamma_arrivals,
     length_source,
@@ -212,3 +213,17 @@ def test_traces_dir_env_override(tmp_path, monkeypatch):
     reqs = load_trace("azure-code")
     assert [(r.input_len, r.output_len) for r in reqs] == [(10, 2), (20, 3)]
     assert reqs[1].arrival_s == pytest.approx(1.02004, abs=1e-6)
+
+
+@needs_traces
+def test_build_workload_entry_point(tmp_path):
+    syn = build_workload("mix:5%", rate=10.0, duration_s=30.0, seed=4)
+    assert syn and all(r.arrival_s < 30.0 for r in syn) and len(syn) == pytest.approx(300, rel=0.3)
+    assert build_workload("mix:5%", rate=10.0, duration_s=30.0, seed=4) == syn
+    assert len(build_workload("sharegpt4", rate=5.0, num_requests=17)) == 17
+    azure = build_workload("azure-code", rate=20.0, duration_s=60.0)
+    assert all(r.arrival_s < 60.0 for r in azure) and len(azure) == pytest.approx(1200, rel=0.2)
+    scaled = build_workload("mooncake", time_scale=0.5, num_requests=100)
+    assert scaled == scale_arrivals(load_trace("mooncake"), 0.5)[:100]
+    with pytest.raises(WorkloadError, match="rate"):
+        build_workload("github-issue", duration_s=10.0)
