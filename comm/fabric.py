@@ -179,7 +179,8 @@ class Fabric(ABC):
 
     def reserve_flags(self, count: int) -> int:
         """Hand out `count` consecutive user flags; returns the first. Deterministic, so ranks that reserve
-        in the same order get the same indices (reserve like you register)."""
+        in the same order get the same indices (reserve like you register). Reservations start at flag 0:
+        code that also picks raw flag numbers must take them from here too."""
         if count < 1 or self._next_flag + count > self.num_flags:
             raise ValueError(
                 f"cannot reserve {count} flags: {self.num_flags - self._next_flag} of {self.num_flags} left"
