@@ -10,7 +10,7 @@ Phases and the feature each coefficient multiplies (time per layer unless noted;
 | phase | features | feature meaning |
 |---|---|---|
 | attention | kv_tokens, shards | KV tokens on the instance; (request, shard) rows on it |
-| merge | partials | remote partial results the instance merges (LSE merge) |
+| merge | partials | remote partial results the instance merges (LSE merge; const only if partials > 0) |
 | dense | batch | local MoE batch (attention-side projections, norms, RoPE) - every layer |
 | shared_expert | batch | local MoE batch (gate + shared expert) - MoE layers |
 | dense_mlp | batch | local MoE batch (dense FFN) - dense layers |
@@ -18,8 +18,8 @@ Phases and the feature each coefficient multiplies (time per layer unless noted;
 | moe_dispatch, moe_combine | batch | max MoE batch over instances (lock-step all-to-all) - MoE layers |
 | iteration | batch | local MoE batch; once per iteration (lm_head, sampling) |
 
-A phase is either a coefficient dict or {"by_ep": {"<EP size>": coefficients}}; between tabulated EP sizes each
-coefficient is interpolated linearly in log2(EP), outside the table the nearest entry is used.
+Coefficients are >= 0. A phase is either a coefficient dict or {"by_ep": {"<EP size>": coefficients}}; between
+tabulated EP sizes each coefficient is interpolated linearly in log2(EP), outside the table the nearest entry is used.
 
 CP communication per layer and instance: a Q round then a Res round. In each round an instance sends and receives
 over NVLink (peers in its node) and RDMA (other nodes) at once; a link costs latency + bytes / bandwidth, with
@@ -30,6 +30,8 @@ One iteration (the all-to-all is a barrier, so every instance waits for the slow
     dlayer_i = attention_i + cp_i + merge_i + dense_i + dense_mlp_i                (dense layer)
     a2a     = dispatch(max batch) + expert(mean batch) + combine(max batch)
     T = max_i(n_dense * dlayer_i + pre_i) + (n_moe - 1) * max_i(pre_i) + n_moe * a2a + max_i(iteration_i)
+(cp_i here includes the merge.) The ideal bound charges the same formulas with every instance at the mean KV and
+mean batch, one shard row per request and no CP traffic.
 """
 
 from __future__ import annotations

@@ -237,7 +237,12 @@ class ClusterSimulator:
         now = reqs[0].arrival_s if reqs else 0.0
         next_arrival = 0
         horizon = reqs[-1].arrival_s if reqs else 0.0
-        bar = tqdm(total=round(horizon, 3), unit="sim-s", disable=not self.config.progress, leave=False)
+        bar = tqdm(
+            total=round(horizon, 3),
+            disable=not self.config.progress,
+            leave=False,
+            bar_format="{l_bar}{bar}| {n:.1f}/{total:.1f} simulated s [{elapsed}<{remaining}]",
+        )
         while True:
             while next_arrival < len(reqs) and reqs[next_arrival].arrival_s <= now:
                 r = reqs[next_arrival]
