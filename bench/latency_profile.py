@@ -551,43 +551,58 @@ def fit_linear_cost(records: Sequence[Mapping[str, Any]], features: Sequence[str
 
 def fit_profile_from_timing_log(
     records: Iterable[Mapping[str, Any]],
-    base: LatencyProfile | Mapping[str, Any],
+    base: LatencyProfile | Mapping[str, Any] | None = None,
     name: str = "cpu-tiny",
+    *,
+    model: Mapping[str, int] | None = None,
+    instances_per_node: int = 1,
 ) -> dict[str, Any]:
     """Fit every phase's coefficients from per-phase timing records; returns a profile dict (time_unit "s").
 
     A record is a dict with `phase` (a name of PHASE_FEATURES, or `cp_comm`), `seconds`, and that phase's
     features (kv_tokens, shards, batch, partials; for cp_comm: `bytes` and `link` nvlink|rdma). Phases or links
-    without records keep the coefficients of `base` (a profile or profile dict: model shape, memory, prefill).
+    without records keep the coefficients of `base` (a profile or profile dict, which also gives the model shape,
+    memory and prefill sections). Without a base, `model` (ModelShape fields) is required and the records must
+    cover every phase and both links.
     """
-    base_dict = dict(base.raw if isinstance(base, LatencyProfile) else base)
     by_phase: dict[str, list[Mapping[str, Any]]] = {}
     for r in records:
         by_phase.setdefault(str(r.get("phase")), []).append(r)
     unknown = set(by_phase) - set(PHASE_FEATURES) - {"cp_comm"}
     if unknown:
         raise ProfileError(f"timing records name unknown phases {sorted(unknown)}")
+    if base is None:
+        if model is None:
+            raise ProfileError("fitting without a base profile needs the model shape (model=...)")
+        base_dict: dict[str, Any] = {"schema": SCHEMA, "model": dict(model)}
+        base_dict["cluster"] = {"instances_per_node": instances_per_node}
+        base_profile = None
+    else:
+        base_dict = dict(base.raw if isinstance(base, LatencyProfile) else base)
+        base_profile = LatencyProfile.from_dict(base_dict)
 
-    base_profile = LatencyProfile.from_dict(base_dict)
     phases: dict[str, Any] = {}
     for phase, feats in PHASE_FEATURES.items():
         if phase in by_phase:
             phases[phase] = fit_linear_cost(by_phase[phase], feats)
+        elif base_profile is None:
+            raise ProfileError(f"no timing records for phase {phase!r} and no base profile to take it from")
         else:  # keep the base's coefficients, converted to seconds
             table = {str(ep): {"const": c.const} | dict(c.coefs) for ep, c in base_profile.phases[phase].by_ep.items()}
             phases[phase] = next(iter(table.values())) if len(table) == 1 else {"by_ep": table}
-    links = {
-        n: {"GBps": link.bandwidth_Bps / 1e9, "latency_us": link.latency_s * 1e6}
-        for n, link in base_profile.links.items()
-    }
+    links = {}
     for link_name in LINKS:
         recs = [r for r in by_phase.get("cp_comm", []) if r.get("link", "nvlink") == link_name]
-        if not recs:
-            continue
-        fit = fit_linear_cost(recs, ("bytes",))
-        if fit["bytes"] <= 0:
-            raise ProfileError(f"cp_comm records over {link_name} do not grow with bytes; cannot fit a bandwidth")
-        links[link_name] = {"GBps": 1.0 / fit["bytes"] / 1e9, "latency_us": fit["const"] * 1e6}
+        if recs:
+            fit = fit_linear_cost(recs, ("bytes",))
+            if fit["bytes"] <= 0:
+                raise ProfileError(f"cp_comm records over {link_name} do not grow with bytes; cannot fit a bandwidth")
+            links[link_name] = {"GBps": 1.0 / fit["bytes"] / 1e9, "latency_us": fit["const"] * 1e6}
+        elif base_profile is None:
+            raise ProfileError(f"no cp_comm records over {link_name} and no base profile to take the link from")
+        else:
+            link = base_profile.links[link_name]
+            links[link_name] = {"GBps": link.bandwidth_Bps / 1e9, "latency_us": link.latency_s * 1e6}
 
     out = dict(base_dict)
     out.update(
@@ -601,4 +616,5 @@ def fit_profile_from_timing_log(
             "timing records from the CPU data plane; unfitted phases copied from the base profile"
         },
     )
+    LatencyProfile.from_dict(out)  # the result must load
     return out

@@ -296,3 +296,21 @@ def test_profile_dict_not_mutated_by_fit():
     before = copy.deepcopy(base)
     fit_profile_from_timing_log(synthetic_records(np.random.default_rng(2), {"dense": {"const": 1.0}}, 0.0), base)
     assert base == before
+
+
+def test_fit_without_base_needs_every_phase_and_link():
+    rng = np.random.default_rng(5)
+    truth = {p: {"const": 1e-4} for p in PHASE_FEATURES}
+    records = synthetic_records(rng, truth, 0.0)
+    model = toy_profile_dict()["model"]
+    with pytest.raises(ProfileError, match="link"):
+        fit_profile_from_timing_log(records, model=model)
+    for link in ("nvlink", "rdma"):
+        records += [{"phase": "cp_comm", "link": link, "bytes": b, "seconds": 1e-5 + b * 1e-9} for b in (1, 5, 9)]
+    with pytest.raises(ProfileError, match="model"):
+        fit_profile_from_timing_log(records)
+    profile = LatencyProfile.from_dict(fit_profile_from_timing_log(records, model=model, instances_per_node=4))
+    assert profile.instances_per_node == 4 and profile.links["rdma"].bandwidth_Bps == pytest.approx(1e9)
+    assert profile.attention_time(123, 4) == pytest.approx(1e-4)
+    with pytest.raises(ProfileError, match="dense"):
+        fit_profile_from_timing_log([r for r in records if r["phase"] != "dense"], model=model)
