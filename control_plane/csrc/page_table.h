@@ -1,6 +1,7 @@
-// Global page table: logical page id -> (instance, frame), with per-instance free-frame stacks.
-// Mirrors control_plane/page_table.py exactly: stacks pop the lowest id first on a fresh table, frees go back in
-// reverse so a free right after an alloc restores the previous stacks (LIFO reuse).
+// Page table of the C++ core: per-instance stacks of free frames. A page is named by (instance, frame); each shard
+// keeps its frames in token order, which is everything a view or a routing table exposes. The reference's logical
+// page ids (control_plane/page_table.py) never reach any output, so they are not kept here; the frame stacks follow
+// the reference exactly: the lowest frame comes first on a fresh instance, frees go back in reverse (LIFO reuse).
 #pragma once
 #include <cstdint>
 #include <vector>
@@ -9,57 +10,31 @@ namespace nanocp::sched {
 
 class PageTable {
  public:
-  PageTable(int num_instances, int32_t frames_per_instance)
-      : free_frames_(num_instances), page_instance_(size_t(num_instances) * frames_per_instance, -1),
-        page_frame_(size_t(num_instances) * frames_per_instance, -1) {
-    for (auto& stack : free_frames_) {
+  PageTable(int num_instances, int32_t frames_per_instance) : free_(num_instances) {
+    for (auto& stack : free_) {
       stack.resize(frames_per_instance);
       for (int32_t f = 0; f < frames_per_instance; ++f) stack[f] = frames_per_instance - 1 - f;
     }
-    const int32_t total = int32_t(page_instance_.size());
-    free_logical_.resize(total);
-    for (int32_t p = 0; p < total; ++p) free_logical_[p] = total - 1 - p;
   }
 
-  int32_t free_frames(int instance) const { return int32_t(free_frames_[instance].size()); }
+  int32_t free_frames(int instance) const { return int32_t(free_[instance].size()); }
 
-  // Append n pages on `instance` to (logical, frames); the caller checked there is room.
-  void alloc(int instance, int64_t n, std::vector<int32_t>& logical, std::vector<int32_t>& frames) {
-    auto& stack = free_frames_[instance];
-    for (int64_t k = 0; k < n; ++k) {
-      const int32_t frame = stack.back();
-      stack.pop_back();
-      const int32_t page = free_logical_.back();
-      free_logical_.pop_back();
-      page_instance_[page] = instance;
-      page_frame_[page] = frame;
-      logical.push_back(page);
-      frames.push_back(frame);
-    }
+  // Append n frames of `instance` to `frames`; the caller checked there is room.
+  void alloc(int instance, int64_t n, std::vector<int32_t>& frames) {
+    auto& stack = free_[instance];
+    frames.insert(frames.end(), stack.rbegin(), stack.rbegin() + n);
+    stack.resize(stack.size() - size_t(n));
   }
 
-  // Release pages in reverse order (the reference's LIFO rule).
-  void free(const std::vector<int32_t>& logical) {
-    for (size_t k = logical.size(); k-- > 0;) {
-      const int32_t page = logical[k];
-      free_frames_[page_instance_[page]].push_back(page_frame_[page]);
-      free_logical_.push_back(page);
-      page_instance_[page] = -1;
-      page_frame_[page] = -1;
-    }
+  // Return a shard's frames, last first (the reference frees in reverse token order).
+  void free(int instance, const std::vector<int32_t>& frames) {
+    free_[instance].insert(free_[instance].end(), frames.rbegin(), frames.rend());
   }
 
-  int32_t page_instance(int32_t page) const { return page_instance_[page]; }
-  int32_t page_frame(int32_t page) const { return page_frame_[page]; }
-  const std::vector<int32_t>& free_stack(int instance) const { return free_frames_[instance]; }
-  const std::vector<int32_t>& free_logical() const { return free_logical_; }
-  size_t total_pages() const { return page_instance_.size(); }
+  const std::vector<int32_t>& free_stack(int instance) const { return free_[instance]; }
 
  private:
-  std::vector<std::vector<int32_t>> free_frames_;  // per instance, a stack of free frames
-  std::vector<int32_t> free_logical_;              // stack of free logical page ids
-  std::vector<int32_t> page_instance_;             // [total pages] instance of a logical page, -1 = free
-  std::vector<int32_t> page_frame_;                // [total pages] frame of a logical page, -1 = free
+  std::vector<std::vector<int32_t>> free_;  // per instance: free frames, next to allocate at the back
 };
 
 }  // namespace nanocp::sched

@@ -89,7 +89,7 @@ nb::tuple request_info(const SchedulerCore& core, int64_t handle) {
 nb::tuple binding(const SchedulerCore& core, int64_t handle) {
   const sched::Request& r = core.request(handle);
   nb::list shards;
-  for (int32_t k = 0; k < r.nshards; ++k) shards.append(nb::make_tuple(r.shards[k].instance, r.shards[k].tokens));
+  for (int32_t k = 0; k < r.nshards; ++k) shards.append(nb::make_tuple(r.shard(k).instance, r.shard(k).tokens));
   return nb::make_tuple(r.moe, shards);
 }
 
@@ -97,7 +97,7 @@ nb::list shard_pages(const SchedulerCore& core, int64_t handle) {
   const sched::Request& r = core.request(handle);
   nb::list out;
   for (int32_t k = 0; k < r.nshards; ++k) {
-    const sched::Shard& s = r.shards[k];
+    const sched::Shard& s = r.shard(k);
     nb::list frames;
     for (int32_t f : s.frames) frames.append(f);
     out.append(nb::make_tuple(s.instance, s.tokens, frames));

@@ -36,28 +36,38 @@ enum Policy : int { kNanoCP, kLeastBatch, kLeastCache, kRoundRobin, kUniformCP }
 enum Status : int8_t { kWaiting = 0, kRunning = 1, kFree = -1 };
 
 struct Shard {
-  int32_t instance = -1;
+  std::vector<int32_t> frames;  // [pages] frames on `instance`, in token order
   int64_t tokens = 0;
-  std::vector<int32_t> frames;   // [pages] physical frames on `instance`, in token order
-  std::vector<int32_t> logical;  // [pages] logical page ids (global page table), in token order
+  int32_t instance = -1;
   bool has_room_in_tail(int64_t page) const { return int64_t(frames.size()) * page > tokens; }
 };
 
-struct Request {
+// One request. The first cache line holds all the growth pass touches: the first shard (the only one for most
+// requests) inline, the MoE binding and the step at which the decode budget runs out.
+struct alignas(64) Request {
+  Shard first;             // shard 0 of the binding
   int32_t moe = -1;        // MoE instance (running only)
   int32_t moe_shard = -1;  // index of the shard on `moe`
-  int32_t nshards = 0;     // live shards: shards[0:nshards] in binding order; the rest keep capacity for reuse
-  int32_t run_pos = -1;    // position in the running list
+  int32_t nshards = 0;     // live shards, in binding order: first, spill[0], spill[1], ...
   int8_t status = kFree;
+  int64_t due_at = 0;  // running: out of decode budget after the step that ends with step_ends_ == due_at
+  // second line
   int64_t decode_base = 0;  // waiting: decode_steps; running: decode_steps - finished steps
   int64_t max_new_tokens = 0;
-  int64_t context_len = 0;  // sum of shard tokens
-  int64_t uid = -1;         // unique per add_request; tells stale list entries apart after slot reuse
+  int64_t uid = -1;  // unique per add_request; tells stale list entries apart after slot reuse
   int64_t admit_seq = -1;
   int64_t handle = 0;
   int64_t prompt_len = 0;
   int64_t preempted_at = -1;  // iteration of the last preemption
-  std::vector<Shard> shards;
+  std::vector<Shard> spill;   // shards 1.. (entries past nshards - 1 are retired and keep their capacity)
+
+  Shard& shard(int32_t k) { return k == 0 ? first : spill[k - 1]; }
+  const Shard& shard(int32_t k) const { return k == 0 ? first : spill[k - 1]; }
+  int64_t context_len() const {
+    int64_t total = first.tokens;
+    for (int32_t k = 1; k < nshards; ++k) total += spill[k - 1].tokens;
+    return nshards ? total : 0;
+  }
 };
 
 // An int32 output buffer shared with numpy; reused once Python has dropped every view of it.
@@ -100,7 +110,6 @@ class SchedulerCore {
   const std::vector<int64_t>& num_shards() const { return num_shards_; }
   const Request& request(int64_t handle) const;  // throws UnknownHandle
   int64_t decode_steps(const Request& r) const { return r.status == kRunning ? r.decode_base + step_ends_ : r.decode_base; }
-  int32_t frame_of(int32_t logical) const { return pages_.page_frame(logical); }
   const ClusterShape& shape() const { return shape_; }
 
   // Lower every instance into one pooled buffer: instance i's table is data[offsets[i]:offsets[i+1]].
@@ -129,6 +138,18 @@ class SchedulerCore {
   int32_t new_slot();
   void delete_request(int32_t slot);
   void compact_running();
+  // Batch passes touch requests in batch order, i.e. scattered slots: fetch the request kFar entries ahead and the
+  // MoE shard (and its first frames) of the one kFar/2 ahead, whose request should have arrived by now.
+  void prefetch_request(size_t k) const {
+    constexpr size_t kFar = 8;
+    if (k + kFar < running_.size()) __builtin_prefetch(&reqs_[running_[k + kFar]]);
+    if (k + kFar / 2 < running_.size()) {
+      const Request& r = reqs_[running_[k + kFar / 2]];
+      const Shard& s = r.shard(r.moe_shard);
+      __builtin_prefetch(&s);
+      __builtin_prefetch(s.frames.data());
+    }
+  }
   void remove_running(int32_t slot);
 
   // one iteration
@@ -183,7 +204,8 @@ class SchedulerCore {
   std::vector<Request> reqs_;  // slot pool
   std::vector<int32_t> free_slots_;
   std::unordered_map<int64_t, int32_t> slot_of_handle_;
-  std::vector<int32_t> running_;  // slots in batch order; -1 = removed (compacted lazily)
+  std::vector<int32_t> running_;      // slots in batch order; -1 = removed (compacted lazily)
+  std::vector<int64_t> running_seq_;  // admit_seq of each running_ entry (sorted: batch order = admission order)
   int64_t running_dead_ = 0;
   std::vector<Ref> waiting_;  // queue order; stale entries are skipped and dropped at admission
   int64_t num_waiting_ = 0;

@@ -179,8 +179,6 @@ void SchedulerCore::add_request(int64_t handle, int64_t prompt_len, int64_t max_
   r.admit_seq = -1;
   r.moe = r.moe_shard = -1;
   r.nshards = 0;
-  r.context_len = 0;
-  r.run_pos = -1;
   r.preempted_at = -1;
   r.uid = uid_counter_++;
   slot_of_handle_.emplace(handle, slot);
@@ -216,26 +214,29 @@ void SchedulerCore::finish_slot(int32_t slot) {
   }
 }
 
+// The batch is in admission order, so a request's position is found by binary search on admit_seq.
 void SchedulerCore::remove_running(int32_t slot) {
-  Request& r = reqs_[slot];
-  if (size_t(r.run_pos) + 1 == running_.size()) {
+  const int64_t seq = reqs_[slot].admit_seq;
+  const size_t pos = size_t(std::lower_bound(running_seq_.begin(), running_seq_.end(), seq) - running_seq_.begin());
+  if (pos + 1 == running_.size()) {
     running_.pop_back();
+    running_seq_.pop_back();
   } else {
-    running_[r.run_pos] = -1;
+    running_[pos] = -1;
     ++running_dead_;
   }
-  r.run_pos = -1;
 }
 
 void SchedulerCore::compact_running() {
   if (!running_dead_) return;
   size_t keep = 0;
-  for (int32_t slot : running_) {
-    if (slot < 0) continue;
-    reqs_[slot].run_pos = int32_t(keep);
-    running_[keep++] = slot;
+  for (size_t k = 0; k < running_.size(); ++k) {
+    if (running_[k] < 0) continue;
+    running_[keep] = running_[k];
+    running_seq_[keep++] = running_seq_[k];
   }
   running_.resize(keep);
+  running_seq_.resize(keep);
   running_dead_ = 0;
 }
 
@@ -310,7 +311,7 @@ void SchedulerCore::rebalance_moe() {
     moe_batch_[old] -= 1;
     int best = old, best_shard = r.moe_shard;
     for (int32_t k = 0; k < r.nshards; ++k) {
-      const int i = r.shards[k].instance;
+      const int i = r.shard(k).instance;
       if (std::make_tuple(moe_batch_[i], i != old, i) < std::make_tuple(moe_batch_[best], best != old, best)) {
         best = i;
         best_shard = k;
@@ -327,7 +328,7 @@ void SchedulerCore::rebalance_moe() {
 
 bool SchedulerCore::has_room(const Request& r, int instance) const {  // reference.py _has_room
   for (int32_t k = 0; k < r.nshards; ++k)
-    if (r.shards[k].instance == instance && r.shards[k].has_room_in_tail(shape_.page_size)) return true;
+    if (r.shard(k).instance == instance && r.shard(k).has_room_in_tail(shape_.page_size)) return true;
   return pages_.free_frames(instance) > 0;
 }
 
@@ -341,7 +342,7 @@ int SchedulerCore::growth_target(const Request& r) const {
         batch_open(i))
       best = i;
   };
-  for (int32_t k = 0; k < r.nshards; ++k) consider(r.shards[k].instance);
+  for (int32_t k = 0; k < r.nshards; ++k) consider(r.shard(k).instance);
   if (best >= 0) return best;
   const int first = (r.moe / shape_.instances_per_node) * shape_.instances_per_node;
   for (int i = first; i < first + shape_.instances_per_node; ++i) consider(i);
@@ -355,20 +356,19 @@ int SchedulerCore::growth_target(const Request& r) const {
 void SchedulerCore::grow_all() {
   const int64_t page = shape_.page_size;
   for (size_t k = 0; k < running_.size(); ++k) {  // preemption only pops from the back: size() is re-read
+    prefetch_request(k);
     const int32_t slot = running_[k];
     Request& r = reqs_[slot];
-    Shard& s = r.shards[r.moe_shard];
+    Shard& s = r.shard(r.moe_shard);
     if (s.has_room_in_tail(page)) {
       s.tokens += 1;
-      r.context_len += 1;
       kv_tokens_[r.moe] += 1;
     } else if (pages_.free_frames(r.moe) > 0) {
       add_tokens(s, 1);
-      r.context_len += 1;
     } else if (!grow_slow(slot)) {
       continue;  // preempted itself
     }
-    if (r.decode_base + step_ends_ + 1 >= r.max_new_tokens - 1) due_.push_back({slot, r.uid});
+    if (step_ends_ >= r.due_at) due_.push_back({slot, r.uid});
   }
 }
 
@@ -378,7 +378,7 @@ bool SchedulerCore::grow_slow(int32_t slot) {
   Request& r = reqs_[slot];
   int target;
   while ((target = growth_target(r)) < 0) {
-    const int32_t victim = running_.back();  // batch order == admission order, and growth leaves no holes
+    const int32_t victim = running_.back();  // the most recently admitted: growth leaves no holes in the batch
     preempt(victim);
     if (victim == slot) return false;
   }
@@ -388,29 +388,28 @@ bool SchedulerCore::grow_slow(int32_t slot) {
   }
   int32_t idx = -1;
   for (int32_t k = 0; k < r.nshards; ++k)
-    if (r.shards[k].instance == target) idx = k;
+    if (r.shard(k).instance == target) idx = k;
   if (idx < 0) {
     add_shard(r, target);
     idx = r.nshards - 1;
   }
   r.moe_shard = idx;
-  add_tokens(r.shards[idx], 1);
-  r.context_len += 1;
+  add_tokens(r.shard(idx), 1);
   return true;
 }
 
 void SchedulerCore::add_tokens(Shard& s, int64_t n) {  // reference.py _add_tokens
   const int64_t page = shape_.page_size;
   const int64_t need = ceil_div(s.tokens + n, page) - ceil_div(s.tokens, page);
-  pages_.alloc(s.instance, need, s.logical, s.frames);
+  pages_.alloc(s.instance, need, s.frames);
   s.tokens += n;
   kv_tokens_[s.instance] += n;
 }
 
 // Append an empty shard on `instance` to the binding (reusing a retired Shard's capacity).
 void SchedulerCore::add_shard(Request& r, int instance) {
-  if (int32_t(r.shards.size()) == r.nshards) r.shards.emplace_back();
-  Shard& s = r.shards[r.nshards++];
+  if (r.nshards > 0 && size_t(r.nshards) > r.spill.size()) r.spill.emplace_back();
+  Shard& s = r.shard(r.nshards++);
   s.instance = instance;
   s.tokens = 0;
   num_shards_[instance] += 1;
@@ -439,19 +438,15 @@ void SchedulerCore::unbind_moe(Request& r) {
 
 void SchedulerCore::release(Request& r) {  // reference.py _release
   for (int32_t k = 0; k < r.nshards; ++k) {
-    Shard& s = r.shards[k];
-    pages_.free(s.logical);
+    Shard& s = r.shard(k);
+    pages_.free(s.instance, s.frames);
     kv_tokens_[s.instance] -= s.tokens;
     num_shards_[s.instance] -= 1;
   }
   unbind_moe(r);
-  for (int32_t k = 0; k < r.nshards; ++k) {
-    r.shards[k].frames.clear();
-    r.shards[k].logical.clear();
-  }
+  for (int32_t k = 0; k < r.nshards; ++k) r.shard(k).frames.clear();
   r.nshards = 0;
   r.moe_shard = -1;
-  r.context_len = 0;
 }
 
 void SchedulerCore::preempt(int32_t slot) {  // reference.py _preempt (the queue front is rebuilt at admission)
@@ -656,17 +651,17 @@ void SchedulerCore::commit(int32_t slot, int moe) {
     for (const auto& [i, n] : split_) {
       if ((i == moe) != (pass == 0)) continue;
       add_shard(r, i);
-      add_tokens(r.shards[r.nshards - 1], n);
-      r.context_len += n;
+      add_tokens(r.shard(r.nshards - 1), n);
     }
   bind_moe(r, moe);
   r.moe_shard = 0;
   r.decode_base = steps - step_ends_;
-  r.run_pos = int32_t(running_.size());
+  r.due_at = r.max_new_tokens - 2 - r.decode_base;
   running_.push_back(slot);
+  running_seq_.push_back(r.admit_seq);
   --num_waiting_;
-  last_admitted_.emplace_back(r.handle, r.context_len - 1, recompute);
-  if (steps + 1 >= r.max_new_tokens - 1) due_.push_back({slot, r.uid});
+  last_admitted_.emplace_back(r.handle, r.context_len() - 1, recompute);
+  if (step_ends_ >= r.due_at) due_.push_back({slot, r.uid});
 }
 
 }  // namespace nanocp::sched

@@ -74,8 +74,10 @@ void SchedulerCore::start_table(int i, int32_t* base, size_t total, Cursor& c) c
 template <bool kAll>
 void SchedulerCore::write_tables(std::vector<Cursor>& cur, int only) {
   for (size_t g = 0; g < running_.size(); ++g) {
+    prefetch_request(g);
     const Request& r = reqs_[running_[g]];
-    if (r.context_len > INT32_MAX) throw std::overflow_error("context length does not fit the int32 routing table");
+    const int64_t context_len = r.context_len();
+    if (context_len > INT32_MAX) throw std::overflow_error("context length does not fit the int32 routing table");
     const int m = r.moe;
     Cursor& cm = cur[m];
     const bool write_m = kAll || m == only;
@@ -83,10 +85,10 @@ void SchedulerCore::write_tables(std::vector<Cursor>& cur, int only) {
     int32_t* moe_entry = write_m ? cm.moe + 3 * size_t(moe_row) : nullptr;
     if (write_m) {
       moe_entry[0] = int32_t(g);
-      moe_entry[1] = int32_t(r.context_len - 1);
+      moe_entry[1] = int32_t(context_len - 1);
     }
     for (int32_t k = 0; k < r.nshards; ++k) {
-      const Shard& s = r.shards[k];
+      const Shard& s = r.shard(k);
       const int inst = s.instance;
       Cursor& ct = cur[inst];
       const bool write_t = kAll || inst == only;
@@ -175,43 +177,36 @@ void SchedulerCore::check_invariants() {
   const int64_t page = shape_.page_size;
   std::vector<int64_t> kv(n, 0), batch(n, 0), shards(n, 0), remote(n, 0), node(shape_.num_nodes, 0);
   std::vector<int64_t> used(n, 0);
-  std::vector<char> page_seen(pages_.total_pages(), 0);
   std::vector<std::vector<char>> frame_seen(n, std::vector<char>(shape_.frames_per_instance, 0));
-  int64_t seen_pages = 0, multi_shard = 0;
+  int64_t multi_shard = 0;
+  require(running_seq_.size() == running_.size(), "batch admission-order index out of date");
   for (size_t g = 0; g < running_.size(); ++g) {
     const int32_t slot = running_[g];
     const Request& r = reqs_[slot];
     require(r.status == kRunning, "batch holds a request that is not running");
-    require(r.run_pos == int32_t(g), "run_pos out of date");
-    require(g == 0 || reqs_[running_[g - 1]].admit_seq < r.admit_seq, "batch is not in admission order");
-    require(r.nshards >= 1 && r.moe_shard >= 0 && r.moe_shard < r.nshards && r.shards[r.moe_shard].instance == r.moe,
+    require(running_seq_[g] == r.admit_seq, "batch admission-order index out of date");
+    require(g == 0 || running_seq_[g - 1] < r.admit_seq, "batch is not in admission order");
+    require(r.nshards >= 1 && r.moe_shard >= 0 && r.moe_shard < r.nshards && r.shard(r.moe_shard).instance == r.moe,
             "MoE instance must hold a shard");
     batch[r.moe] += 1;
     node[r.moe / shape_.instances_per_node] += 1;
     remote[r.moe] += r.nshards - 1;
     multi_shard += r.nshards >= 2;
-    int64_t context = 0;
     for (int32_t k = 0; k < r.nshards; ++k) {
-      const Shard& s = r.shards[k];
-      for (int32_t j = 0; j < k; ++j) require(r.shards[j].instance != s.instance, "two shards on one instance");
+      const Shard& s = r.shard(k);
+      for (int32_t j = 0; j < k; ++j) require(r.shard(j).instance != s.instance, "two shards on one instance");
       require(s.tokens > 0 && int64_t(s.frames.size()) == (s.tokens + page - 1) / page, "shard pages != tokens");
-      require(s.logical.size() == s.frames.size(), "shard logical/frame lists differ in length");
       kv[s.instance] += s.tokens;
       shards[s.instance] += 1;
-      context += s.tokens;
-      for (size_t j = 0; j < s.logical.size(); ++j) {
-        const int32_t p = s.logical[j];
-        require(!page_seen[p], "page " + std::to_string(p) + " owned twice");
-        page_seen[p] = 1;
-        ++seen_pages;
-        require(pages_.page_instance(p) == s.instance && pages_.page_frame(p) == s.frames[j],
-                "page table disagrees with shard " + std::to_string(p));
-        require(!frame_seen[s.instance][s.frames[j]], "frame owned twice");
-        frame_seen[s.instance][s.frames[j]] = 1;
+      for (int32_t f : s.frames) {
+        require(f >= 0 && f < shape_.frames_per_instance, "frame id out of range");
+        require(!frame_seen[s.instance][f], "page (" + std::to_string(s.instance) + ", " + std::to_string(f) +
+                                                ") owned twice");
+        frame_seen[s.instance][f] = 1;
         used[s.instance] += 1;
       }
     }
-    require(context == r.context_len, "context_len out of date");
+    require(r.due_at == r.max_new_tokens - 2 - r.decode_base, "decode budget out of date");
     // due_ must name every request that is out of decode budget at the next step
     if (decode_steps(r) >= r.max_new_tokens - 1) {
       bool listed = false;
@@ -224,13 +219,10 @@ void SchedulerCore::check_invariants() {
   for (int i = 0; i < n; ++i) {
     require(used[i] + pages_.free_frames(i) == shape_.frames_per_instance, "used + free != frames");
     for (int32_t f : pages_.free_stack(i)) {
-      require(!frame_seen[i][f], "a free frame is also owned");
+      require(f >= 0 && f < shape_.frames_per_instance && !frame_seen[i][f], "a free frame is also owned or listed twice");
       frame_seen[i][f] = 1;
     }
   }
-  require(int64_t(pages_.free_logical().size()) + seen_pages == int64_t(pages_.total_pages()),
-          "used_pages != pages owned by shards");
-  for (int32_t p : pages_.free_logical()) require(!page_seen[p] && pages_.page_instance(p) < 0, "free page in use");
   // waiting and running partition the live requests
   int64_t live_waiting = 0, live = 0;
   std::unordered_set<int32_t> queued;
