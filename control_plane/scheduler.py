@@ -149,7 +149,7 @@ class GlobalScheduler:
         self._handles: dict[str, int] = {}
         self._names: dict[int, str] = {}
         self._next_handle = 0
-        self._reported: list[int] = []  # handles whose end was reported in the last plan: forget them next step
+        self._reported: set[int] = set()  # handles whose end was reported in the last plan: forget them next step
 
     # -------------------------------------------------------------- requests
 
@@ -172,23 +172,26 @@ class GlobalScheduler:
 
     def finish(self, rid: str) -> None:
         """End a request now (EOS, stop string, cancel): its pages are freed; it is listed in the next plan."""
-        handle = self._handles.get(rid)
-        if handle is None:
-            raise SchedulerError(f"unknown request id {rid!r}")
+        handle = self._live_handle(rid)
         self.core.finish(handle)
+        del self._handles[rid]  # the id is free again; the next plan still reports it as finished
 
     def step(self) -> IterationPlan:
         for handle in self._reported:
-            self._handles.pop(self._names.pop(handle), None)
+            rid = self._names.pop(handle)
+            if self._handles.get(rid) == handle:
+                del self._handles[rid]
         self.core.step()
         plan = IterationPlan(self)
-        self._reported = [self._handles[r] for r in plan.finished + plan.rejected]
+        self._reported = set(self.core.last_finished) | set(self.core.last_rejected)
         return plan
 
     # -------------------------------------------------------------- state
 
     def __contains__(self, rid: str) -> bool:
-        return rid in self._handles
+        """Is `rid` waiting or running (not yet finished)?"""
+        handle = self._handles.get(rid)
+        return handle is not None and handle not in self._reported
 
     @property
     def num_waiting(self) -> int:
@@ -201,17 +204,20 @@ class GlobalScheduler:
     def loads(self) -> list[InstanceLoad]:
         return [InstanceLoad(*row) for row in zip(*self.core.loads())]
 
+    def _live_handle(self, rid: str) -> int:
+        if rid not in self:
+            raise SchedulerError(f"unknown or finished request id {rid!r}")
+        return self._handles[rid]
+
     def request_state(self, rid: str) -> RequestState:
-        handle = self._handles.get(rid)
-        if handle is None:
-            raise SchedulerError(f"unknown request id {rid!r}")
+        handle = self._live_handle(rid)
         prompt_len, max_new, steps, status, moe = self.core.request_info(handle)
         split = dict(self.core.binding(handle)[1]) if status == RUNNING else {}
         return RequestState(prompt_len, max_new, steps, status == RUNNING, moe, split)
 
     def shard_pages(self, rid: str) -> list[tuple[int, int, list[int]]]:
         """(instance, n_tokens, frames) per shard of a running request, in binding order."""
-        return self.core.shard_pages(self._handles[rid])
+        return self.core.shard_pages(self._live_handle(rid))
 
     def check_invariants(self) -> None:
         self.core.check_invariants()

@@ -165,7 +165,8 @@ class Engine:
         req = self.requests.get(rid)
         if req is None or req.finish_reason is not None:
             return
-        self.scheduler.finish(rid)
+        if rid in self.scheduler:
+            self.scheduler.finish(rid)
         self._end(req, "abort")
 
     def has_unfinished(self) -> bool:
@@ -232,7 +233,8 @@ class Engine:
             req.logits.append(logits)
         reason = self._stop_reason(req, token)
         if reason is not None:
-            self.scheduler.finish(req.rid)  # pages back now, not at the next iteration
+            if req.rid in self.scheduler:
+                self.scheduler.finish(req.rid)  # pages back now, not at the next iteration
             self._end(req, reason)
 
     def _stop_reason(self, req: _Request, token: int) -> str | None:
