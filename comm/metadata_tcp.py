@@ -95,6 +95,10 @@ class TcpMetadataReceiver(MetadataReceiver):
         if self._closed.is_set():
             return
         self._closed.set()
+        try:
+            self._listener.shutdown(socket.SHUT_RDWR)  # wakes the accept loop at once
+        except OSError:
+            pass
         self._listener.close()
         with self._lock:
             for conn in self._conns:
