@@ -27,9 +27,10 @@ from nanocp.comm import (
     ShmMetadataSender,
     TcpMetadataReceiver,
     TcpMetadataSender,
+    _shm,
+    auth,
     rdma_available,
 )
-from nanocp.comm import _shm, auth
 from nanocp.comm.launch import run_processes
 from nanocp.comm.metadata_channel import HEADER_SIZE, decode_header, encode_header
 

@@ -98,9 +98,8 @@ def test_combine_is_bit_identical_for_any_rank_count():
     w = torch.rand(total, k, generator=gen)
     outs = {}
     for world in (1, 2, 4):
-        per = total // world
-        split = lambda t: [t[r * per : (r + 1) * per] for r in range(world)]  # noqa: E731
-        results = run_moe(world, [split(x)], [split(idx)], [split(w)], num_experts, per, torch.bfloat16)
+        parts = [list(t.chunk(world)) for t in (x, idx, w)]
+        results = run_moe(world, *([p] for p in parts), num_experts, total // world, torch.bfloat16)
         outs[world] = torch.cat([r[0][3] for r in results])
     assert torch.equal(outs[1], outs[2]) and torch.equal(outs[1], outs[4])
     assert torch.equal(outs[1], reference_combine(x, idx, w))
