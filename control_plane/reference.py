@@ -25,7 +25,8 @@ from .spec import ClusterSpec, SchedulerError
 from .waterfill import waterfill
 
 WAITING, RUNNING, FINISHED = 0, 1, 2
-POLICIES = ("nanocp", "least-batch", "least-cache", "round-robin", "uniform-cp")
+POLICIES = ("nanocp", "least-batch", "least-cache", "round-robin", "uniform-cp", "medha", "csps")
+CSPS_DEFAULT_PARTITION = 65536  # CSPS's sequence-partition length without TP (its paper, Sec. 4.2)
 
 
 @dataclass
@@ -58,19 +59,21 @@ class Request:
 
 
 def parse_policy(policy: str) -> tuple[str, int]:
-    """'uniform-cp:4' -> ('uniform-cp', 4); other names take no argument."""
+    """'uniform-cp:4' -> ('uniform-cp', 4); 'medha:N' -> N tokens per KV group; 'csps[:S]' -> partition length S."""
     name, _, arg = policy.partition(":")
     if name not in POLICIES:
         raise SchedulerError(
-            f"unknown policy {policy!r}; choose one of nanocp, least-batch, least-cache, round-robin, uniform-cp:K"
+            f"unknown policy {policy!r}; choose one of nanocp, least-batch, least-cache, round-robin, uniform-cp:K, "
+            "medha:N, csps[:S]"
         )
-    if name == "uniform-cp":
+    if name in ("uniform-cp", "medha") or (name == "csps" and arg):
         if not arg.isdigit() or int(arg) < 1:
-            raise SchedulerError(f"policy {policy!r}: uniform-cp needs a group size, e.g. uniform-cp:4")
+            example = {"uniform-cp": "uniform-cp:4", "medha": "medha:65536", "csps": "csps:65536"}[name]
+            raise SchedulerError(f"policy {policy!r} needs a positive integer argument, e.g. {example}")
         return name, int(arg)
     if arg:
         raise SchedulerError(f"policy {name!r} takes no argument, got {policy!r}")
-    return name, 0
+    return name, CSPS_DEFAULT_PARTITION if name == "csps" else 0
 
 
 class ReferenceCore:
@@ -87,6 +90,11 @@ class ReferenceCore:
             raise SchedulerError(
                 f"uniform-cp:{self.policy_arg} needs a group size dividing instances_per_node "
                 f"({spec.instances_per_node})"
+            )
+        room = spec.frames_per_instance * spec.page_size - 1
+        if self.policy == "medha" and self.policy_arg > room:
+            raise SchedulerError(
+                f"medha:{self.policy_arg}: a KV group must fit one instance ({room} tokens plus the new one)"
             )
         if max_batch_per_instance < 0:
             raise SchedulerError(f"max_batch_per_instance must be >= 0 (0 = unbounded), got {max_batch_per_instance}")
@@ -114,10 +122,12 @@ class ReferenceCore:
     def max_context(self) -> int:
         """Largest context a request can ever be admitted with under this policy (on an empty cluster)."""
         room = self.spec.frames_per_instance * self.spec.page_size - 1  # one slot kept for the new token
-        if self.policy == "nanocp":
+        if self.policy in ("nanocp", "csps"):
             return self.spec.instances_per_node * room
         if self.policy == "uniform-cp":
             return self.policy_arg * room
+        if self.policy == "medha":
+            return self.spec.num_instances * self.policy_arg - 1
         return room
 
     def add_request(self, handle: int, prompt_len: int, max_new_tokens: int) -> None:
@@ -211,7 +221,18 @@ class ReferenceCore:
         return best
 
     def _growth_target(self, req: Request) -> int:
-        """Where the new token goes: the MoE instance, else a binding member, else the node, else anywhere."""
+        """Where the new token goes: the MoE instance, else a binding member, else the node, else anywhere.
+
+        Medha: once the tail shard holds N tokens, the request gains a new instance (not yet in its binding)."""
+        if self.policy == "medha" and req.shard_on(req.moe).tokens >= self.policy_arg:
+            members = {s.instance for s in req.shards}
+            node = self.spec.node_instances(self.spec.node_of(req.moe))
+            for tier in (node, range(self.spec.num_instances)):
+                fresh = [i for i in tier if i not in members and self.pages.free_frames(i) > 0 and self._batch_open(i)]
+                target = self._least_kv(fresh)
+                if target >= 0:
+                    return target
+            return -1
         if self._has_room(req, req.moe):
             return req.moe
         tiers = (
@@ -300,6 +321,10 @@ class ReferenceCore:
             return self._place_nanocp(context)
         if self.policy == "uniform-cp":
             return self._place_uniform(context)
+        if self.policy == "medha":
+            return self._place_medha(context)
+        if self.policy == "csps":
+            return self._place_csps(context)
         n = self.spec.num_instances
         if self.policy == "least-batch":
             # vLLM's DP balancing looks at the batch only; SGLang-style least-cache at KV only.
@@ -354,6 +379,40 @@ class ReferenceCore:
         if not self._can_allocate(moe, split):
             return None
         return moe, split
+
+    def _place_medha(self, context: int) -> tuple[int, dict[int, int]] | None:
+        """Medha's KV parallelism: groups of N tokens on the least-loaded instances; every group but the last is
+        full; the last one takes the rest, the new token and the MoE binding."""
+        n_groups = context // self.policy_arg + 1
+        if n_groups > self.spec.num_instances:
+            return None
+        members = sorted(range(self.spec.num_instances), key=lambda i: (self.kv_tokens[i], i))[:n_groups]
+        split = {i: self.policy_arg for i in members[:-1]}
+        moe = members[-1]
+        split[moe] = context - self.policy_arg * (n_groups - 1) + 1
+        return (moe, split) if self._can_allocate(moe, split) else None
+
+    def _place_csps(self, context: int) -> tuple[int, dict[int, int]] | None:
+        """CSPS's SP decode: a request longer than the partition length S is split into ceil(L/S) near-equal
+        contiguous partitions on the least-loaded instances of the node with the least KV, next to short requests;
+        the last partition holds the MoE binding and the new tokens. Short requests go whole to the instance with
+        the fewest running requests."""
+        if context <= self.policy_arg:
+            target = min(range(self.spec.num_instances), key=lambda i: (self.moe_batch[i], self.kv_tokens[i], i))
+            split = {target: context + 1}
+            return (target, split) if self._can_allocate(target, split) else None
+        room = self.spec.frames_per_instance * self.spec.page_size - 1
+        parts = min(max(-(-context // self.policy_arg), -(-context // room)), self.spec.instances_per_node)
+        node = min(
+            range(self.spec.num_nodes),
+            key=lambda d: (sum(self.kv_tokens[i] for i in self.spec.node_instances(d)), d),
+        )
+        members = sorted(self.spec.node_instances(node), key=lambda i: (self.kv_tokens[i], i))[:parts]
+        base, extra = divmod(context, parts)
+        split = {i: base + (1 if j < extra else 0) for j, i in enumerate(members)}
+        moe = members[-1]
+        split[moe] += 1
+        return (moe, split) if self._can_allocate(moe, split) else None
 
     def _commit(self, req: Request, moe: int, split: dict[int, int]) -> None:
         recompute = req.decode_steps > 0

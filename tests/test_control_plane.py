@@ -31,7 +31,8 @@ try:  # the C++ core is tested whenever it is built (it always is by `make test`
 except ImportError:
     pass
 
-POLICIES = ["nanocp", "least-batch", "least-cache", "round-robin", "uniform-cp:2"]
+CPP_POLICIES = {"nanocp", "least-batch", "least-cache", "round-robin", "uniform-cp"}
+POLICIES = ["nanocp", "least-batch", "least-cache", "round-robin", "uniform-cp:2", "medha:24", "csps:40"]
 
 
 def imbalance(values: list[int]) -> float:
@@ -116,6 +117,8 @@ def test_waterfill_rejects_bad_input():
 def test_random_workload_keeps_invariants(backend, policy, seed):
     rnd = random.Random(seed)
     spec = ClusterSpec(2, 2, kv_capacity_tokens=rnd.choice([64, 128, 512]), page_size=rnd.choice([4, 8, 16]))
+    if backend == "cpp" and policy.split(":")[0] not in CPP_POLICIES:
+        pytest.skip(f"the C++ core does not implement {policy} yet")
     buckets = CPBucketTable((rnd.randint(1, 100), 10**9), (1, rnd.randint(1, 3)))
     sched = GlobalScheduler(spec, policy, cp_buckets=buckets, backend=backend)
     submitted, ended = set(), set()
@@ -352,9 +355,42 @@ def test_bad_input_is_rejected_and_nothing_is_half_applied(backend):
     sched.check_invariants()
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_medha_gains_a_kv_instance_every_n_tokens(backend):
+    if backend == "cpp" and "medha" not in CPP_POLICIES:
+        pytest.skip("the C++ core does not implement medha yet")
+    sched = GlobalScheduler(ClusterSpec(1, 4, 1000, 4), "medha:16", backend=backend)
+    sched.add_request("a", prompt_len=40, max_new_tokens=30)  # groups of 16, 16, 8 (+1 new token)
+    plan = sched.step()
+    moe, split = plan.bindings["a"]
+    assert sorted(split.values()) == [9, 16, 16] and split[moe] == 9
+    sizes = []
+    for _ in range(12):
+        moe, split = sched.step().bindings["a"]
+        sizes.append(len(split))
+        assert split[moe] <= 16 and all(t == 16 for i, t in split.items() if i != moe)
+    assert sizes[-1] == 4 and sizes[0] == 3  # the tail group filled up and a fourth instance joined
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_csps_splits_long_requests_in_one_node_next_to_short_ones(backend):
+    if backend == "cpp" and "csps" not in CPP_POLICIES:
+        pytest.skip("the C++ core does not implement csps yet")
+    sched = GlobalScheduler(ClusterSpec(2, 4, 10_000, 8), "csps:100", backend=backend)
+    for i in range(6):
+        sched.add_request(f"s{i}", prompt_len=50, max_new_tokens=5)
+    sched.add_request("long", prompt_len=350, max_new_tokens=5)
+    plan = sched.step()
+    moe, split = plan.bindings["long"]
+    assert len(split) == 4 and len({i // 4 for i in split}) == 1 and max(split.values()) - min(split.values()) <= 2
+    assert all(len(plan.bindings[f"s{i}"][1]) == 1 for i in range(6))
+
+
 def test_policy_parsing():
     assert parse_policy("uniform-cp:8") == ("uniform-cp", 8)
-    for bad in ["uniform-cp", "uniform-cp:x", "nanocp:2", "rr"]:
+    assert parse_policy("medha:4096") == ("medha", 4096)
+    assert parse_policy("csps") == ("csps", 65536) and parse_policy("csps:100") == ("csps", 100)
+    for bad in ["uniform-cp", "uniform-cp:x", "nanocp:2", "rr", "medha", "medha:0", "csps:-1"]:
         with pytest.raises(SchedulerError):
             parse_policy(bad)
 
