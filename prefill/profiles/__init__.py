@@ -1,0 +1,1 @@
+"""Prefill latency profiles (Eq. 1 coefficients with provenance) and the script that builds them."""
