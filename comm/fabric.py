@@ -26,6 +26,7 @@ import torch
 
 MAX_FLAG_VALUE = 2**63 - 1
 DEFAULT_TIMEOUT_S = 30.0
+POLL_SLEEP_S = (1e-5, 2e-4)  # first and longest sleep between polls once the spin is over
 
 
 class FabricError(RuntimeError):
@@ -89,9 +90,9 @@ def _as_int(value, what: str) -> int:
 
 
 def poll_until(read, value: int, deadline: float, spin: int = 200) -> int:
-    """Poll `read()` until it returns >= value or the deadline passes; short spin, then sleeps backing off
-    from 10 us to 1 ms. Returns the last value read (the caller compares)."""
-    delay = 1e-5
+    """Poll `read()` until it returns >= value or the deadline passes: a short spin, then sleeps doubling
+    from 10 us to 200 us. Returns the last value read (the caller compares)."""
+    delay, longest = POLL_SLEEP_S
     for _ in range(spin):
         seen = read()
         if seen >= value:
@@ -104,7 +105,7 @@ def poll_until(read, value: int, deadline: float, spin: int = 200) -> int:
         if now >= deadline:
             return seen
         time.sleep(min(delay, deadline - now))
-        delay = min(delay * 2, 1e-3)
+        delay = min(delay * 2, longest)
 
 
 class Fabric(ABC):

@@ -236,7 +236,7 @@ class RdmaMetadataReceiver(MetadataReceiver):
             count, completions = endpoint.cq.poll()
             if not count:
                 time.sleep(delay)
-                delay = min(delay * 2, 1e-3)
+                delay = min(delay * 2, 2e-4)
                 continue
             delay = 1e-5
             for wc in completions:

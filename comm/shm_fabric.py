@@ -6,7 +6,7 @@ memcpy into the peer's mapped buffer; a signal is one aligned 8-byte store into 
 issued after the put's copy has returned, so a reader that sees the flag sees the rows (store order is
 preserved on x86-64's TSO memory model; weaker CPUs would need a fence that Python cannot issue, so on them
 run this backend only with payloads that carry their own checksum). Waiting polls the flag with a short spin
-and then a 10 us..1 ms sleep backoff. The creating rank unlinks its segments in `close()`;
+and then a 10 us..200 us sleep backoff. The creating rank unlinks its segments in `close()`;
 `ShmFabric.cleanup(info)` removes what a crashed session left.
 """
 
