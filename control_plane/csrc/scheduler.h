@@ -141,7 +141,7 @@ class SchedulerCore {
   // Batch passes touch requests in batch order, i.e. scattered slots: fetch the request kFar entries ahead and the
   // MoE shard (and its first frames) of the one kFar/2 ahead, whose request should have arrived by now.
   void prefetch_request(size_t k) const {
-    constexpr size_t kFar = 8;
+    constexpr size_t kFar = 16;
     if (k + kFar < running_.size()) __builtin_prefetch(&reqs_[running_[k + kFar]]);
     if (k + kFar / 2 < running_.size()) {
       const Request& r = reqs_[running_[k + kFar / 2]];
