@@ -89,6 +89,7 @@ struct Pool {
   std::vector<int> seg_order;     // segments by (longest queue, node): the order whole nodes are taken
   std::vector<int> seg_of_node;   // node -> segment, -1 if absent
   std::vector<int> pos;           // instance -> position in members (valid for members)
+  std::vector<std::pair<double, int>> by_queue;  // (queue, instance) ascending in queue (ties in any order)
 
   void index(int num_nodes, int num_instances) {
     segments.clear();
@@ -178,11 +179,18 @@ struct Plan {
   }
 };
 
+struct Candidate {  // one legal (s_current, s_next) pair of a level, waiting to be explored
+  int kc, kn, rank, mode = 0;
+  long long len;
+  double start, chunk_end, child_t0, key;
+};
+
 struct Level {  // scratch of one recursion depth
   Pool pool, sub;
-  Group group, current;
+  Group group;
   InitInfo init_pool, init_sub, current_sub;
-  std::vector<double> sub_queues;  // sorted queue times of `sub` (for pruning)
+  std::vector<Group> currents;     // current group per s_current
+  std::vector<Candidate> candidates;
   Plan best;
 };
 
@@ -404,13 +412,22 @@ class CdspPlanner {
     sub.members.clear();
     for (const Member& m : pool.members)
       if (test_bit(group.bits.data(), m.id)) sub.members.push_back(m);
+    sub.by_queue.clear();
+    for (const auto& e : pool.by_queue)
+      if (test_bit(group.bits.data(), e.second)) sub.by_queue.push_back(e);
     sub.index(num_nodes_, n_);
   }
 
   // --- Algorithms 1-3 ------------------------------------------------------------------------------------
   // Fills levels_[depth].best with the chunks of the remaining `tokens` and returns the plan's TTFT.
   // levels_[depth].pool holds queue times relative to absolute time t0; the SP sizes are sizes_[lo..hi].
-  double schedule(int depth, long long tokens, long long context, const Group& init, int lo, int hi, double t0) {
+  //
+  // The pairs of Algorithm 1 are explored best-first (by a lower bound of their TTFT) with branch and bound;
+  // ties go to the earlier pair in the paper's order (s_current, then s_next, ascending), after the single-chunk
+  // plan. The result is exactly the sequential algorithm's: the earliest plan with the smallest TTFT. `cutoff`:
+  // the caller only needs the result if its TTFT is <= cutoff; otherwise any value > cutoff may be returned.
+  double schedule(int depth, long long tokens, long long context, const Group& init, int lo, int hi, double t0,
+                  double cutoff) {
     Level& lv = levels_[depth];
     // Algorithm 2: one chunk; SP grows only for a TTFT gain above the improvement rate.
     describe_init(lv.pool, init, lv.init_pool);
@@ -435,22 +452,24 @@ class CdspPlanner {
     get_group(lv.pool, lv.init_pool, sizes_[opt_idx], opt_queue, &lv.group);
     const double end_rel = opt_queue + opt_prefill;
     double best_ttft = t0 + end_rel;
+    int best_rank = -1;  // the single-chunk plan comes first in the paper's order
     lv.best.clear();
     lv.best.push(tokens, context, lv.group, t0 + opt_queue, t0 + end_rel, opt_mode);
     if (!chunking_) return best_ttft;
 
-    // Algorithm 1, step 1: explore (s_current, s_next) pairs inside the single-chunk group.
+    // Algorithm 1, step 1: (s_current, s_next) pairs inside the single-chunk group.
     int cdsp_hi = lo;
     while (cdsp_hi + 1 <= hi && sizes_[cdsp_hi + 1] <= lv.group.size) ++cdsp_hi;
     if (cdsp_hi == lo) return best_ttft;
     restrict_pool(lv.pool, lv.group, lv.sub);
-    lv.sub_queues.clear();  // filled on first use by the pruning test
     describe_init(lv.sub, init, lv.init_sub);
-    Level& child = levels_[depth + 1];
+    lv.candidates.clear();
+    if (static_cast<int>(lv.currents.size()) < cdsp_hi - lo + 1) lv.currents.resize(cdsp_hi - lo + 1);
     for (int kc = lo; kc <= cdsp_hi; ++kc) {
+      Group& current = lv.currents[kc - lo];
       double queue_cur = 0.0;
-      if (!get_group(lv.sub, lv.init_sub, sizes_[kc], queue_cur, &lv.current)) continue;
-      describe_init(lv.sub, lv.current, lv.current_sub);
+      if (!get_group(lv.sub, lv.init_sub, sizes_[kc], queue_cur, &current)) continue;
+      describe_init(lv.sub, current, lv.current_sub);
       for (int kn = kc + 1; kn <= cdsp_hi; ++kn) {
         double queue_next = 0.0;
         if (!get_group(lv.sub, lv.current_sub, sizes_[kn], queue_next, nullptr)) continue;
@@ -458,46 +477,67 @@ class CdspPlanner {
         const double budget = queue_next - queue_cur;
         const long long len = solve(kc, context, budget, tokens);
         if (len >= tokens || len < std::max(min_chunk_tokens_, 2LL * sizes_[kc])) continue;
-        int mode = 0;
-        const double pre = prefill(kc, context, len, mode);
-        const double chunk_end = queue_cur + pre;
-        const double child_t0 = t0 + chunk_end;
-        if (lv.sub_queues.empty()) {
-          for (const Member& m : lv.sub.members) lv.sub_queues.push_back(m.q);
-          std::sort(lv.sub_queues.begin(), lv.sub_queues.end());
-        }
-        if (cannot_win(kn, cdsp_hi, tokens - len, context + len, child_t0, lv.sub_queues, chunk_end, best_ttft))
-          continue;
-        // Eq. 2: queue times re-based on the end of this chunk.
-        child.pool.members.assign(lv.sub.members.begin(), lv.sub.members.end());
-        for (Member& m : child.pool.members) m.q = std::max(0.0, m.q - chunk_end);
-        child.pool.resort();
-        child.pool.index(num_nodes_, n_);
-        const double ttft = schedule(depth + 1, tokens - len, context + len, lv.current, kn, cdsp_hi, child_t0);
-        if (best_ttft > ttft) {
-          best_ttft = ttft;
-          lv.best.clear();
-          lv.best.push(len, context, lv.current, t0 + queue_cur, child_t0, mode);
-          lv.best.append(child.best);
-        }
+        Candidate c;
+        c.kc = kc;
+        c.kn = kn;
+        c.rank = kc * 64 + kn;
+        c.len = len;
+        c.start = t0 + queue_cur;
+        c.chunk_end = queue_cur + prefill(kc, context, len, c.mode);
+        c.child_t0 = t0 + c.chunk_end;
+        c.key = c.child_t0 + lower_bound(kn, cdsp_hi, tokens - len, context + len, lv.sub.by_queue, c.chunk_end) *
+                                 (1.0 - 1e-9);
+        if (!beyond(c.key, std::min(cutoff, best_ttft))) lv.candidates.push_back(c);
+      }
+    }
+    std::sort(lv.candidates.begin(), lv.candidates.end(), [](const Candidate& x, const Candidate& y) {
+      return x.key != y.key ? x.key < y.key : x.rank < y.rank;
+    });
+    Level& child = levels_[depth + 1];
+    for (const Candidate& c : lv.candidates) {
+      const double bound = std::min(cutoff, best_ttft);
+      if (beyond(c.key, bound)) break;  // sorted by key: no later pair can reach the bound either
+      // Eq. 2: queue times re-based on the end of this chunk.
+      child.pool.members.assign(lv.sub.members.begin(), lv.sub.members.end());
+      for (Member& m : child.pool.members) m.q = std::max(0.0, m.q - c.chunk_end);
+      child.pool.by_queue.assign(lv.sub.by_queue.begin(), lv.sub.by_queue.end());  // a monotone map keeps it sorted
+      for (auto& [q, id] : child.pool.by_queue) q = std::max(0.0, q - c.chunk_end);
+      child.pool.resort();
+      child.pool.index(num_nodes_, n_);
+      const Group& current = lv.currents[c.kc - lo];
+      const double ttft =
+          schedule(depth + 1, tokens - c.len, context + c.len, current, c.kn, cdsp_hi, c.child_t0, bound);
+      if (ttft < best_ttft || (ttft == best_ttft && c.rank < best_rank)) {
+        best_ttft = ttft;
+        best_rank = c.rank;
+        lv.best.clear();
+        lv.best.push(c.len, context, current, c.start, c.child_t0, c.mode);
+        lv.best.append(child.best);
       }
     }
     return best_ttft;
   }
 
-  // Branch and bound (mirror of CdspPlanner._cannot_win): never changes the result.
-  bool cannot_win(int lo, int hi, long long tokens, long long context, double t0, const std::vector<double>& queues,
-                  double shift, double best_ttft) const {
+  // A plan whose TTFT is at least `key` (up to the margin folded into it) cannot reach `bound`.
+  static bool beyond(double key, double bound) { return key > bound * (1.0 + 1e-12); }
+
+  // Lower bound of the TTFT (relative to its start) of any plan of the remaining `tokens` with SP sizes
+  // sizes_[lo..hi]: if its last chunk has s_f instances, every chunk has between sizes_[lo] and s_f, so the work
+  // takes at least the lower envelope of Eq. 1 over those sizes (superadditive, so chunking cannot beat it), and
+  // the last chunk starts no earlier than the s_f-th shortest re-based queue time. Same bound as
+  // CdspPlanner._cannot_win in Python.
+  double lower_bound(int lo, int hi, long long tokens, long long context,
+                     const std::vector<std::pair<double, int>>& by_queue, double shift) const {
     const double rest = static_cast<double>(tokens);
     const double ctx = static_cast<double>(context);
     double lower = std::numeric_limits<double>::infinity();
     for (int f = lo; f <= hi; ++f) {
       const Envelope& e = envelope_[lo * sizes_.size() + f];
       const double work = e.a + e.b * rest + e.c * ctx * rest + e.m * rest * rest;
-      const double last_start = std::max(0.0, queues[sizes_[f] - 1] - shift) + min_a(f);
+      const double last_start = std::max(0.0, by_queue[sizes_[f] - 1].first - shift) + min_a(f);
       lower = std::min(lower, std::max(work, last_start));
     }
-    return t0 + lower * (1.0 - 1e-9) > best_ttft * (1.0 + 1e-12);
+    return lower;
   }
 
   // --- baselines -----------------------------------------------------------------------------------------
@@ -576,7 +616,11 @@ class CdspPlanner {
     for (int i = 0; i < n_; ++i) pool.members[i] = Member{queue[i], i, i / per_node_};
     std::sort(pool.members.begin(), pool.members.end(), member_less);
     pool.index(num_nodes_, n_);
-    return schedule(0, length, 0, empty_, 0, static_cast<int>(sizes_.size()) - 1, 0.0);
+    pool.by_queue.resize(n_);
+    for (int i = 0; i < n_; ++i) pool.by_queue[i] = {queue[i], i};
+    std::sort(pool.by_queue.begin(), pool.by_queue.end());
+    return schedule(0, length, 0, empty_, 0, static_cast<int>(sizes_.size()) - 1, 0.0,
+                    std::numeric_limits<double>::infinity());
   }
 
   std::vector<std::string> modes_;
