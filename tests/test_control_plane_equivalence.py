@@ -73,9 +73,12 @@ def setups(draw):
     capacity = frames * page + draw(st.integers(0, page - 1))  # rounded down to whole pages
     spec = ClusterSpec(nodes, per_node, capacity, page)
     divisors = [k for k in range(1, per_node + 1) if per_node % k == 0]
+    room = frames * page - 1
     policy = draw(
-        st.sampled_from(["nanocp", "nanocp", "least-batch", "least-cache", "round-robin"])
+        st.sampled_from(["nanocp", "nanocp", "least-batch", "least-cache", "round-robin", "csps"])
         | st.sampled_from(divisors).map(lambda k: f"uniform-cp:{k}")
+        | st.integers(1, max(room, 1)).map(lambda n: f"medha:{n}" if room >= 1 else "nanocp")
+        | st.integers(1, 3 * frames * page).map(lambda s: f"csps:{s}")
     )
     n_buckets = draw(st.integers(1, 4))
     max_lens = sorted(draw(st.sets(st.integers(1, 4 * frames * page), min_size=n_buckets, max_size=n_buckets)))
@@ -123,7 +126,9 @@ def test_random_workloads_match_reference(data):
     run_ops(ref, cpp, data.draw(operations(spec)))
 
 
-@pytest.mark.parametrize("policy", ["nanocp", "least-batch", "least-cache", "round-robin", "uniform-cp:2"])
+@pytest.mark.parametrize(
+    "policy", ["nanocp", "least-batch", "least-cache", "round-robin", "uniform-cp:2", "medha:40", "csps:30"]
+)
 def test_long_run_under_memory_pressure(policy):
     """Hundreds of iterations on a cluster kept nearly full: growth moves, preemption and re-admission recur."""
     rng = random.Random(hash(policy) & 0xFFFF)
@@ -159,6 +164,15 @@ def test_long_run_under_memory_pressure(policy):
         "uniform-cp:3",
         "uniform-cp:-2",
         "uniform-cp:2:2",
+        "medha",
+        "medha:",
+        "medha:0",
+        "medha:x",
+        "medha:64",
+        "medha:99999999999999999999999",
+        "csps:0",
+        "csps:-1",
+        "csps:1:2",
         "Nanocp",
         "'quoted'",
     ],
@@ -174,7 +188,17 @@ def test_bad_policies_raise_the_reference_errors(policy):
 
 def test_accepted_policy_spellings_match():
     spec, table = ClusterSpec(1, 4, 64, 4), CPBucketTable((8,), (2,))
-    for policy in ["nanocp:", "round-robin:", "uniform-cp:04", "uniform-cp:1"]:
+    for policy in [
+        "nanocp:",
+        "round-robin:",
+        "uniform-cp:04",
+        "uniform-cp:1",
+        "csps",
+        "csps:",
+        "csps:7",
+        "medha:63",
+        "medha:1",
+    ]:
         ref, cpp = ReferenceCore(spec, policy, table, 0), _core.SchedulerCore(1, 4, 64, 4, policy, [8], [2], 0)
         assert cpp.max_context() == ref.max_context()
 

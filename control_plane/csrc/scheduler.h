@@ -7,6 +7,7 @@
 //  - only multi-shard requests take part in MoE rebalancing, ordered by a stable counting sort;
 //  - every shard keeps its frames contiguous, so lowering memcpy's block tables into pooled output buffers.
 #pragma once
+#include <climits>
 #include <cstdint>
 #include <memory>
 #include <stdexcept>
@@ -32,7 +33,7 @@ struct UnknownHandle {
   int64_t handle;
 };
 
-enum Policy : int { kNanoCP, kLeastBatch, kLeastCache, kRoundRobin, kUniformCP };
+enum Policy : int { kNanoCP, kLeastBatch, kLeastCache, kRoundRobin, kUniformCP, kMedha, kCsps };
 enum Status : int8_t { kWaiting = 0, kRunning = 1, kFree = -1 };
 
 struct Shard {
@@ -174,6 +175,8 @@ class SchedulerCore {
   bool place_single(int64_t context, int& moe);
   bool place_nanocp(int64_t context, int& moe);
   bool place_uniform(int64_t context, int& moe);
+  bool place_medha(int64_t context, int& moe);
+  bool place_csps(int64_t context, int& moe);
   bool can_allocate(int moe) const;
   bool batch_open(int instance) const { return !max_batch_ || moe_batch_[instance] < max_batch_; }
   int64_t cp_lookup(int64_t length) const;
@@ -192,7 +195,8 @@ class SchedulerCore {
   std::vector<int64_t> cp_max_lens_, cp_cps_;
   int64_t max_batch_ = 0;
   int64_t max_context_ = 0;
-  int64_t room_ = 0;  // tokens an instance can take besides one new token
+  int64_t room_ = 0;                   // tokens an instance can take besides one new token
+  int64_t group_tokens_ = INT64_MAX;  // medha: tokens per KV group (a full tail group moves growth elsewhere)
 
   PageTable pages_;
   std::vector<int64_t> kv_tokens_;   // [instances] KV tokens held

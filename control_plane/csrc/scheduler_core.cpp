@@ -9,7 +9,9 @@
 namespace nanocp::sched {
 namespace {
 
-const char* const kPolicyNames[] = {"nanocp", "least-batch", "least-cache", "round-robin", "uniform-cp"};
+const char* const kPolicyNames[] = {"nanocp", "least-batch", "least-cache", "round-robin", "uniform-cp", "medha", "csps"};
+constexpr int kNumPolicies = 7;
+constexpr int64_t kCspsDefaultPartition = 65536;  // CSPS's partition length without TP
 
 std::string to_string_i128(__int128 v) {
   if (v == 0) return "0";
@@ -32,29 +34,39 @@ std::string tuple_repr(const std::vector<int64_t>& v) {  // Python's repr of a t
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
-// reference.py parse_policy; policy_repr is Python's repr(policy) for the messages.
-std::pair<Policy, int64_t> parse_policy(const std::string& policy, const std::string& policy_repr) {
+// reference.py parse_policy; policy_repr is Python's repr(policy) for the messages. Returns the policy, its
+// argument (INT64_MAX if it has more than 18 digits) and the argument as written without leading zeros.
+struct ParsedPolicy {
+  Policy policy;
+  int64_t arg;
+  std::string arg_text;
+};
+
+ParsedPolicy parse_policy(const std::string& policy, const std::string& policy_repr) {
   const size_t colon = policy.find(':');
   const std::string name = policy.substr(0, colon);
   const std::string arg = colon == std::string::npos ? "" : policy.substr(colon + 1);
   int found = -1;
-  for (int k = 0; k < 5; ++k)
+  for (int k = 0; k < kNumPolicies; ++k)
     if (name == kPolicyNames[k]) found = k;
   if (found < 0)
     throw SchedulerError("unknown policy " + policy_repr +
-                         "; choose one of nanocp, least-batch, least-cache, round-robin, uniform-cp:K");
-  if (found == kUniformCP) {
+                         "; choose one of nanocp, least-batch, least-cache, round-robin, uniform-cp:K, medha:N, "
+                         "csps[:S]");
+  if (found == kUniformCP || found == kMedha || (found == kCsps && !arg.empty())) {
     const bool digits = !arg.empty() && std::all_of(arg.begin(), arg.end(), [](char c) { return c >= '0' && c <= '9'; });
     const size_t first = digits ? arg.find_first_not_of('0') : std::string::npos;
-    if (!digits || first == std::string::npos)
-      throw SchedulerError("policy " + policy_repr + ": uniform-cp needs a group size, e.g. uniform-cp:4");
-    // More than 18 significant digits cannot divide any instances_per_node: keep it as a huge sentinel.
+    if (!digits || first == std::string::npos) {
+      const char* example = found == kUniformCP ? "uniform-cp:4" : found == kMedha ? "medha:65536" : "csps:65536";
+      throw SchedulerError("policy " + policy_repr + " needs a positive integer argument, e.g. " + example);
+    }
     const std::string significant = arg.substr(first);
-    return {kUniformCP, significant.size() > 18 ? INT64_MAX : std::stoll(significant)};
+    return {Policy(found), significant.size() > 18 ? INT64_MAX : std::stoll(significant), significant};
   }
   if (!arg.empty())
     throw SchedulerError("policy '" + name + "' takes no argument, got " + policy_repr);
-  return {Policy(found), 0};
+  const int64_t value = found == kCsps ? kCspsDefaultPartition : 0;
+  return {Policy(found), value, std::to_string(value)};
 }
 
 }  // namespace
@@ -84,11 +96,16 @@ SchedulerCore::SchedulerCore(int64_t num_nodes, int64_t instances_per_node, int6
   shape_ = {int(num_nodes), int(instances_per_node), int(instances), page_size, int32_t(frames)};
 
   // reference.py ReferenceCore.__init__
-  std::tie(policy_, policy_arg_) = parse_policy(policy, policy_repr);
+  const ParsedPolicy parsed = parse_policy(policy, policy_repr);
+  policy_ = parsed.policy;
+  policy_arg_ = parsed.arg;
   if (policy_ == kUniformCP && instances_per_node % policy_arg_ != 0)
-    throw SchedulerError("uniform-cp:" + std::to_string(policy_arg_) +
-                         " needs a group size dividing instances_per_node (" + std::to_string(instances_per_node) +
-                         ")");
+    throw SchedulerError("uniform-cp:" + parsed.arg_text + " needs a group size dividing instances_per_node (" +
+                         std::to_string(instances_per_node) + ")");
+  room_ = int64_t(frames) * page_size - 1;  // tokens an instance can take besides one new token
+  if (policy_ == kMedha && policy_arg_ > room_)
+    throw SchedulerError("medha:" + parsed.arg_text + ": a KV group must fit one instance (" + std::to_string(room_) +
+                         " tokens plus the new one)");
   if (max_batch_per_instance < 0)
     throw SchedulerError("max_batch_per_instance must be >= 0 (0 = unbounded), got " +
                          std::to_string(max_batch_per_instance));
@@ -105,13 +122,15 @@ SchedulerCore::SchedulerCore(int64_t num_nodes, int64_t instances_per_node, int6
   max_batch_ = max_batch_per_instance;
 
   // reference.py max_context: one slot per instance stays free for the new token
-  room_ = int64_t(frames) * page_size - 1;
-  if (policy_ == kNanoCP)
+  if (policy_ == kNanoCP || policy_ == kCsps)
     max_context_ = instances_per_node * room_;
   else if (policy_ == kUniformCP)
     max_context_ = policy_arg_ * room_;
+  else if (policy_ == kMedha)
+    max_context_ = instances * policy_arg_ - 1;
   else
     max_context_ = room_;
+  group_tokens_ = policy_ == kMedha ? policy_arg_ : INT64_MAX;
 
   const int n = shape_.num_instances;
   pages_ = PageTable(n, shape_.frames_per_instance);
@@ -333,18 +352,30 @@ bool SchedulerCore::has_room(const Request& r, int instance) const {  // referen
 }
 
 // reference.py _growth_target: the MoE instance, else the least-KV member of the binding, of the node, of the
-// cluster that has room and an open batch; -1 if none.
+// cluster that has room and an open batch; -1 if none. Medha: a full tail group moves to a fresh instance.
 int SchedulerCore::growth_target(const Request& r) const {
-  if (has_room(r, r.moe)) return r.moe;
   int best = -1;
-  auto consider = [&](int i) {
-    if ((best < 0 || std::make_pair(kv_tokens_[i], i) < std::make_pair(kv_tokens_[best], best)) && has_room(r, i) &&
-        batch_open(i))
+  auto better = [&](int i) { return best < 0 || std::make_pair(kv_tokens_[i], i) < std::make_pair(kv_tokens_[best], best); };
+  const int first = (r.moe / shape_.instances_per_node) * shape_.instances_per_node;
+  if (r.shard(r.moe_shard).tokens >= group_tokens_) {
+    // Medha: a full tail group opens a new instance (not yet in the binding), on the node first.
+    auto fresh = [&](int i) {
+      if (!better(i) || pages_.free_frames(i) <= 0 || !batch_open(i)) return;
+      for (int32_t k = 0; k < r.nshards; ++k)
+        if (r.shard(k).instance == i) return;
       best = i;
+    };
+    for (int i = first; i < first + shape_.instances_per_node; ++i) fresh(i);
+    if (best >= 0) return best;
+    for (int i = 0; i < shape_.num_instances; ++i) fresh(i);
+    return best;
+  }
+  if (has_room(r, r.moe)) return r.moe;
+  auto consider = [&](int i) {
+    if (better(i) && has_room(r, i) && batch_open(i)) best = i;
   };
   for (int32_t k = 0; k < r.nshards; ++k) consider(r.shard(k).instance);
   if (best >= 0) return best;
-  const int first = (r.moe / shape_.instances_per_node) * shape_.instances_per_node;
   for (int i = first; i < first + shape_.instances_per_node; ++i) consider(i);
   if (best >= 0) return best;
   for (int i = 0; i < shape_.num_instances; ++i) consider(i);
@@ -360,7 +391,9 @@ void SchedulerCore::grow_all() {
     const int32_t slot = running_[k];
     Request& r = reqs_[slot];
     Shard& s = r.shard(r.moe_shard);
-    if (s.has_room_in_tail(page)) {
+    if (s.tokens >= group_tokens_) {  // medha: the tail group is full
+      if (!grow_slow(slot)) continue;
+    } else if (s.has_room_in_tail(page)) {
       s.tokens += 1;
       kv_tokens_[r.moe] += 1;
     } else if (pages_.free_frames(r.moe) > 0) {
@@ -513,6 +546,8 @@ bool SchedulerCore::place(int64_t context, int& moe) {  // reference.py _place
   split_.clear();
   if (policy_ == kNanoCP) return place_nanocp(context, moe);
   if (policy_ == kUniformCP) return place_uniform(context, moe);
+  if (policy_ == kMedha) return place_medha(context, moe);
+  if (policy_ == kCsps) return place_csps(context, moe);
   return place_single(context, moe);
 }
 
@@ -636,6 +671,56 @@ bool SchedulerCore::place_uniform(int64_t context, int& moe) {
   if (!can_allocate(m)) return false;
   moe = m;
   return true;
+}
+
+// reference.py _place_medha: groups of N tokens on the least-KV instances; all full but the last, which takes the
+// rest, the new token and the MoE binding.
+bool SchedulerCore::place_medha(int64_t context, int& moe) {
+  const int64_t n_groups = context / policy_arg_ + 1;
+  if (n_groups > shape_.num_instances) return false;
+  members_.resize(shape_.num_instances);
+  for (int i = 0; i < shape_.num_instances; ++i) members_[i] = i;
+  auto by_kv = [&](int32_t a, int32_t b) { return std::make_pair(kv_tokens_[a], a) < std::make_pair(kv_tokens_[b], b); };
+  std::partial_sort(members_.begin(), members_.begin() + n_groups, members_.end(), by_kv);
+  for (int64_t j = 0; j + 1 < n_groups; ++j) split_.emplace_back(members_[j], policy_arg_);
+  moe = members_[n_groups - 1];
+  split_.emplace_back(moe, context - policy_arg_ * (n_groups - 1) + 1);
+  return can_allocate(moe);
+}
+
+// reference.py _place_csps: up to S tokens: whole, on the instance with the fewest running requests; longer: ceil(L/S)
+// (at least what fits) near-equal partitions on the least-KV instances of the least-KV node, MoE on the last one.
+bool SchedulerCore::place_csps(int64_t context, int& moe) {
+  if (context <= policy_arg_) {
+    int target = 0;
+    for (int i = 1; i < shape_.num_instances; ++i)
+      if (std::make_pair(moe_batch_[i], kv_tokens_[i]) < std::make_pair(moe_batch_[target], kv_tokens_[target]))
+        target = i;
+    split_.emplace_back(target, context + 1);
+    moe = target;
+    return can_allocate(target);
+  }
+  const int ipn = shape_.instances_per_node;
+  const int64_t fit = room_ > 0 ? ceil_div(context, room_) : ipn;
+  const int64_t parts = std::min<int64_t>(std::max(ceil_div(context, policy_arg_), fit), ipn);
+  int node = 0;
+  int64_t node_kv = 0;
+  for (int d = 0; d < shape_.num_nodes; ++d) {
+    int64_t kv = 0;
+    for (int i = d * ipn; i < (d + 1) * ipn; ++i) kv += kv_tokens_[i];
+    if (d == 0 || kv < node_kv) {
+      node = d;
+      node_kv = kv;
+    }
+  }
+  members_.resize(ipn);
+  for (int j = 0; j < ipn; ++j) members_[j] = node * ipn + j;
+  auto by_kv = [&](int32_t a, int32_t b) { return std::make_pair(kv_tokens_[a], a) < std::make_pair(kv_tokens_[b], b); };
+  std::partial_sort(members_.begin(), members_.begin() + parts, members_.end(), by_kv);
+  const int64_t base = context / parts, extra = context % parts;
+  moe = members_[parts - 1];
+  for (int64_t j = 0; j < parts; ++j) split_.emplace_back(members_[j], base + (j < extra ? 1 : 0) + (j == parts - 1 ? 1 : 0));
+  return can_allocate(moe);
 }
 
 // reference.py _commit: shards in order [moe, rest of the split in split order]; pages allocated in that order.
