@@ -34,23 +34,23 @@ def _mac(token: bytes, role: bytes, first: bytes, second: bytes) -> bytes:
     return hmac.new(token, PROTOCOL + role + first + second, hashlib.sha256).digest()
 
 
-def recv_exact(sock: socket.socket, n: int) -> bytes:
+def recv_exact(sock: socket.socket, n: int) -> bytearray:
     """Read exactly n bytes; ConnectionError if the peer closes first."""
-    chunks, left = [], n
-    while left:
-        chunk = sock.recv(min(left, 1 << 20))
-        if not chunk:
-            raise ConnectionError(f"peer closed the connection with {left} of {n} bytes outstanding")
-        chunks.append(chunk)
-        left -= len(chunk)
-    return b"".join(chunks)
+    buf = bytearray(n)
+    view, got = memoryview(buf), 0
+    while got < n:
+        k = sock.recv_into(view[got:], n - got)
+        if not k:
+            raise ConnectionError(f"peer closed the connection with {n - got} of {n} bytes outstanding")
+        got += k
+    return buf
 
 
 def send_message(sock: socket.socket, data: bytes) -> None:
     sock.sendall(_LEN.pack(len(data)) + data)
 
 
-def recv_message(sock: socket.socket, max_len: int) -> bytes:
+def recv_message(sock: socket.socket, max_len: int) -> bytearray:
     (n,) = _LEN.unpack(recv_exact(sock, _LEN.size))
     if n > max_len:
         raise ConnectionError(f"message of {n} bytes exceeds the limit of {max_len}")

@@ -7,8 +7,9 @@ signal is applied after every earlier put from the same sender: the put-then-sig
 signals to the rank itself are applied directly. The main thread only sends; a send returns once the peer's
 receiver thread took the message.
 
-Each message is a fixed int64 header [kind, buffer index, row offset, rows, flag, value] (tag 1), followed for
-PUT by the rows as raw bytes (tag 2) received into the destination slice.
+Each message is a fixed int64 header [kind, buffer index, row offset, rows, flag, value, payload bytes] (tag 1),
+followed for PUT by the rows as raw bytes (tag 2) received into the destination slice. A put that does not fit
+this rank's registration is drained and recorded (later waits raise it), so its sender never blocks.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from nanocp.comm.fabric import DEFAULT_TIMEOUT_S, BufferSpec, Fabric, FabricErro
 
 _HEADER_TAG, _PAYLOAD_TAG = 1, 2
 _PUT, _SIGNAL, _STOP = 1, 2, 3
-_HEADER_LEN = 6
+_HEADER_LEN = 7
 
 
 def _as_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -63,28 +64,35 @@ class TorchDistFabric(Fabric):
         try:
             while stopped < self.world_size - 1:
                 src = dist.recv(header, group=self._group, tag=_HEADER_TAG)
-                kind, index, offset, nrows, flag, value = header.tolist()
+                kind, index, offset, nrows, flag, value, nbytes = header.tolist()
                 if kind == _PUT:
-                    self._receive_rows(src, index, offset, nrows)
-                elif kind == _SIGNAL:
+                    self._receive_rows(src, index, offset, nrows, nbytes)
+                elif kind == _SIGNAL and 0 <= flag < len(self._flags):
                     self._set_flag(flag, value)
                 elif kind == _STOP:
                     stopped += 1
                 else:
-                    raise FabricError(f"rank {self.rank}: unknown message kind {kind} from rank {src}")
+                    raise FabricError(f"rank {self.rank}: bad message {header.tolist()} from rank {src}")
         except BaseException as exc:  # noqa: BLE001 - surfaced to every waiter
             with self._cond:
                 self._failure = exc
                 self._cond.notify_all()
 
-    def _receive_rows(self, src: int, index: int, offset: int, nrows: int) -> None:
+    def _receive_rows(self, src: int, index: int, offset: int, nrows: int, nbytes: int) -> None:
         buf = self._buffers.get(index)
-        if buf is None or offset < 0 or offset + nrows > buf.shape[0]:
-            raise FabricError(
-                f"rank {self.rank}: put from rank {src} into buffer #{index} rows [{offset}, {offset + nrows}) "
-                "does not match this rank's registration"
+        target = None
+        if buf is not None and 0 <= offset and offset + nrows <= buf.shape[0]:
+            target = _as_bytes(buf[offset : offset + nrows])
+        if target is not None and target.numel() == nbytes:
+            dist.recv(target, src=src, group=self._group, tag=_PAYLOAD_TAG)
+            return
+        dist.recv(torch.empty(nbytes, dtype=torch.uint8), src=src, group=self._group, tag=_PAYLOAD_TAG)
+        with self._cond:
+            self._failure = self._failure or FabricError(
+                f"rank {self.rank}: put of {nbytes} bytes from rank {src} into buffer #{index} rows "
+                f"[{offset}, {offset + nrows}) does not match this rank's registration"
             )
-        dist.recv(_as_bytes(buf[offset : offset + nrows]), src=src, group=self._group, tag=_PAYLOAD_TAG)
+            self._cond.notify_all()
 
     def _set_flag(self, flag: int, value: int) -> None:
         with self._cond:
@@ -103,7 +111,8 @@ class TorchDistFabric(Fabric):
         value: int = 0,
     ) -> None:
         nrows = 0 if rows is None else rows.shape[0]
-        header = torch.tensor([kind, index, offset, nrows, flag, value], dtype=torch.int64)
+        nbytes = 0 if rows is None else rows.numel() * rows.element_size()
+        header = torch.tensor([kind, index, offset, nrows, flag, value, nbytes], dtype=torch.int64)
         with self._send_lock:
             dist.send(header, dst=dst, group=self._group, tag=_HEADER_TAG)
             if rows is not None:
@@ -133,11 +142,11 @@ class TorchDistFabric(Fabric):
             self._cond.wait_for(
                 lambda: self._flags[flag] >= value or self._failure is not None, timeout=max(timeout_s, 0.0)
             )
-            if self._flags[flag] >= value:
-                return self._flags[flag]
-            if self._failure is not None:
-                raise FabricError(f"rank {self.rank}: receiver thread failed: {self._failure!r}") from self._failure
-            raise FabricTimeout(flag, self.rank, value, self._flags[flag], timeout_s)
+            if self._failure is not None:  # a broken delivery poisons every later wait
+                raise FabricError(f"rank {self.rank}: delivery failed: {self._failure}") from self._failure
+            if self._flags[flag] < value:
+                raise FabricTimeout(flag, self.rank, value, self._flags[flag], timeout_s)
+            return self._flags[flag]
 
     def _read_flag(self, flag: int) -> int:
         return self._flags[flag]

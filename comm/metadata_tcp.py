@@ -89,7 +89,7 @@ class TcpMetadataReceiver(MetadataReceiver):
             if len(frame) < HEADER_SIZE:
                 raise ConnectionError(f"frame of {len(frame)} bytes is shorter than a header")
             with self._lock:
-                self.context.publish(frame[:HEADER_SIZE], memoryview(frame)[HEADER_SIZE:])
+                self.context.publish(bytes(frame[:HEADER_SIZE]), memoryview(frame)[HEADER_SIZE:])
 
     def close(self) -> None:
         if self._closed.is_set():
@@ -130,7 +130,7 @@ class TcpMetadataSender(MetadataSender):
 
     def transmit(self, header: bytes, payload) -> None:
         payload = memoryview(payload).cast("B")
-        self._sock.sendall(_LEN.pack(HEADER_SIZE + payload.nbytes) + header + payload.tobytes())
+        self._sock.sendall(b"".join((_LEN.pack(HEADER_SIZE + payload.nbytes), header, payload)))
 
     def close(self) -> None:
         self._sock.close()

@@ -30,6 +30,16 @@ class DispatchHandle:
     recv_src_token: torch.Tensor  # int32 [local_experts, ranks * max_tokens]: source token per row, -1 = empty
 
 
+@dataclass
+class PendingDispatch:
+    """A dispatch whose tokens are sent but whose receive side is not read yet."""
+
+    seq: int
+    topk_idx: torch.Tensor  # int64 [T, k]
+    slot: torch.Tensor  # int64 [T, k]
+    flag_base: int
+
+
 class LowLatencyDispatcher:
     """Static-buffer dispatch/combine for one fabric (construct on every rank in the same order)."""
 
@@ -75,6 +85,21 @@ class LowLatencyDispatcher:
 
     def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, DispatchHandle]:
         """x [T, hidden], topk_idx int64 [T, k] -> (recv_x, recv_count int32 [local_experts], handle)."""
+        pending = self.dispatch_send(x, topk_idx)
+        self._wait_all(pending)
+        return self.dispatch_finish(pending)
+
+    def combine(
+        self, y: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, handle: DispatchHandle
+    ) -> torch.Tensor:
+        """y [local_experts, ranks * max, hidden] expert outputs -> out [T, hidden] = sum_k w_k * y_k."""
+        self.combine_send(y, topk_idx, topk_weights, handle)
+        self._wait_all(handle)
+        return self.combine_finish(handle, topk_weights, y.dtype)
+
+    # ---- split phases: send, then wait (blocking or polled via wait_flags), then finish -----------------------
+    def dispatch_send(self, x: torch.Tensor, topk_idx: torch.Tensor) -> PendingDispatch:
+        """Put this rank's tokens into the owners' slabs and signal every rank."""
         self._check_inputs(x, topk_idx)
         self._seq += 1
         fabric, rank, ranks, lx = self.fabric, self.fabric.rank, self.fabric.world_size, self.local_experts
@@ -89,16 +114,22 @@ class LowLatencyDispatcher:
             fabric.put(dst, self._names["src"], row, tokens.to(torch.int32))
         for dst in range(ranks):
             fabric.signal(dst, self.dispatch_flag + rank, self._seq)
-        for src in range(ranks):
-            fabric.wait(self.dispatch_flag + src, self._seq, self.timeout_s)
-        layout = fabric.buffer(self._names["count"]).clone()  # [ranks, local_experts]
-        handle = DispatchHandle(self._seq, topk_idx.clone(), slot, layout, self._received_sources(layout))
+        return PendingDispatch(self._seq, topk_idx.clone(), slot, self.dispatch_flag)
+
+    def wait_flags(self, pending: PendingDispatch | DispatchHandle) -> list[tuple[int, int]]:
+        """(flag, value) pairs that must hold before dispatch_finish / combine_finish: every rank has sent."""
+        base = pending.flag_base if isinstance(pending, PendingDispatch) else self.combine_flag
+        return [(base + src, pending.seq) for src in range(self.fabric.world_size)]
+
+    def dispatch_finish(self, pending: PendingDispatch) -> tuple[torch.Tensor, torch.Tensor, DispatchHandle]:
+        layout = self.fabric.buffer(self._names["count"]).clone()  # [ranks, local_experts]
+        handle = DispatchHandle(pending.seq, pending.topk_idx, pending.slot, layout, self._received_sources(layout))
         return self.recv_x, layout.sum(0, dtype=torch.int32), handle
 
-    def combine(
+    def combine_send(
         self, y: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, handle: DispatchHandle
-    ) -> torch.Tensor:
-        """y [local_experts, ranks * max, hidden] expert outputs -> out [T, hidden] = sum_k w_k * y_k."""
+    ) -> None:
+        """Send the expert outputs y [local_experts, ranks * max, hidden] back to the ranks that own the tokens."""
         fabric, rank, ranks, mt = self.fabric, self.fabric.rank, self.fabric.world_size, self.max_tokens
         if tuple(y.shape) != (self.local_experts, ranks * mt, self.hidden):
             raise ValueError(f"y must be [{self.local_experts}, {ranks * mt}, {self.hidden}], got {tuple(y.shape)}")
@@ -112,9 +143,14 @@ class LowLatencyDispatcher:
             fabric.put(src, self._names["combine"], row, y[local, src * mt : src * mt + n])
         for dst in range(ranks):
             fabric.signal(dst, self.combine_flag + rank, handle.seq)
-        for src in range(ranks):
-            fabric.wait(self.combine_flag + src, handle.seq, self.timeout_s)
-        return self._reduce(fabric.buffer(self._names["combine"]), handle, topk_weights, y.dtype)
+
+    def combine_finish(self, handle: DispatchHandle, topk_weights: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """out [T, hidden] = sum over top-k slots (in slot order) of weight * expert output."""
+        return self._reduce(self.fabric.buffer(self._names["combine"]), handle, topk_weights, dtype)
+
+    def _wait_all(self, pending: PendingDispatch | DispatchHandle) -> None:
+        for flag, value in self.wait_flags(pending):
+            self.fabric.wait(flag, value, self.timeout_s)
 
     # ---- helpers ----------------------------------------------------------------------------------------
     def _check_inputs(self, x: torch.Tensor, topk_idx: torch.Tensor) -> None:

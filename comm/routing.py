@@ -126,6 +126,10 @@ class RoutingBackend:
             self.fabric.wait(self.flag_base + src, seq, timeout_s)
         return self.recv
 
+    def wait_flags(self, sources: Iterable[int], seq: int) -> list[tuple[int, int]]:
+        """The (flag, value) pairs `wait(sources, seq)` blocks on, for callers that poll instead of blocking."""
+        return [(self.flag_base + int(src), seq) for src in sorted(set(int(s) for s in sources))]
+
     def route(
         self, send_list, src: torch.Tensor, sources: Iterable[int], seq: int, timeout_s: float = DEFAULT_TIMEOUT_S
     ) -> torch.Tensor:

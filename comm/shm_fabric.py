@@ -88,7 +88,7 @@ class ShmFabric(Fabric):
                 try:
                     self._adopt_flags(peer, _shm.attach_segment(self.info.flag_segment(peer)))
                     break
-                except FileNotFoundError:
+                except (FileNotFoundError, ValueError):  # not created yet, or created but not yet sized
                     if time.monotonic() >= deadline:
                         self.close()
                         raise FabricTimeout(f"segment of rank {peer}", self.rank, 1, 0, timeout_s) from None

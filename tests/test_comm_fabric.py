@@ -209,7 +209,6 @@ def _process_scenario(fabric) -> dict:
     for k in range(idx.shape[1]):
         ref += w[:, k, None] * (x * (idx[:, k, None].float() + 1))
     fabric.barrier(20)
-    fabric.close()
     return {
         "ordered": ok,
         "timed_out": timed_out,
@@ -219,11 +218,31 @@ def _process_scenario(fabric) -> dict:
 
 
 def shm_worker(rank: int, world: int, info) -> dict:
-    return _process_scenario(ShmFabric(info, rank))
+    fabric = ShmFabric(info, rank)
+    result = _process_scenario(fabric)
+    fabric.close()
+    return result
 
 
 def dist_worker(rank: int, world: int) -> dict:
-    return _process_scenario(TorchDistFabric(num_flags=16))
+    fabric = TorchDistFabric(num_flags=16)
+    result = _process_scenario(fabric)
+    # registrations that disagree: rank 1's rows are wider; rank 0's put must not block and rank 1 must know
+    try:
+        fabric.register("skewed", (2, 4 if rank == 1 else 2), torch.float32, timeout_s=20)
+        flag = fabric.reserve_flags(1)
+        if rank == 0:
+            fabric.put(1, "skewed", 0, torch.ones(1, 2))
+            fabric.signal(1, flag, 1)
+        elif rank == 1:
+            fabric.wait(flag, 1, timeout_s=20)
+        reported = False
+    except FabricError as exc:  # at the first wait after the bad put (which may be the register barrier)
+        reported = "does not match" in str(exc)
+    if rank == 1:
+        result["mismatch_reported"] = reported
+    fabric.close()
+    return result
 
 
 def test_shm_fabric_across_processes_leaves_no_segment():
@@ -239,6 +258,7 @@ def test_shm_fabric_across_processes_leaves_no_segment():
 
 def test_torch_distributed_fabric_across_processes():
     results = run_processes(dist_worker, 3, timeout_s=180, torch_distributed=True)
+    assert results[1].pop("mismatch_reported") is True
     assert results == [{"ordered": True, "timed_out": True, "routed": True, "combine": True}] * len(results)
 
 
