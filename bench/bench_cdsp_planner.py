@@ -12,7 +12,7 @@ Latency model: the DeepSeek-V3 / H200 profile (ring + Ulysses modes, a first-pri
 model outputs) with improvement rate 0.3. A third regime, iid-a100, uses the A100 LLaMA3-8B profile fitted to Tetris
 Table 1 (the paper's own setting; it only has SP <= 16, so max SP 8 and 16) with queue times uniform in [0, 1] s.
 
-The C++ time is measured inside the core around each plan call (min of 3 repeats per request to filter preemption
+The C++ time is measured inside the core around each plan call (min of 5 repeats per request to filter preemption
 on the shared machine); the Python reference is timed on the first `--python-plans` requests of each set, whose
 plans are also checked to be identical.
 
@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import random
 import statistics
@@ -131,6 +132,10 @@ def bench_one(max_sp: int, regime: str, count: int, python_plans: int, repeats: 
     }
 
 
+def goal_met(row: dict) -> bool:
+    return row["core_avg_us"] <= GOAL_US[0] and row["core_max_us"] <= GOAL_US[1]
+
+
 def markdown(rows: list[dict], meta: dict) -> str:
     lines = [
         "# CDSP planner latency (Tetris Algorithms 1-3)",
@@ -142,14 +147,26 @@ def markdown(rows: list[dict], meta: dict) -> str:
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
-        ok = r["core_avg_us"] <= GOAL_US[0] and r["core_max_us"] <= GOAL_US[1]
+        ok = goal_met(r)
         lines.append(
             f"| {r['max_sp']} | {r['regime']} | {r['core_avg_us']:.1f} / {r['core_p99_us']:.1f} / "
             f"{r['core_max_us']:.1f} | {r['paper_avg_us']} / {r['paper_max_us']} | {'met' if ok else 'missed'} "
             f"| {r['core_via_python_avg_us']:.1f} | {r['python_avg_us']:.0f} | {r['python_over_core']:.0f}x "
             f"| {r['mean_chunks']:.2f} | {r['plans_identical']} ({r['python_plans']}) |"
         )
-    lines += ["", f"Machine: {meta['machine']}. Command: `{meta['command']}`.", ""]
+    missed = [f"{r['max_sp']} {r['regime']}" for r in rows if not goal_met(r)]
+    lines += [
+        "",
+        f"Goal missed at (max SP, regime): {', '.join(missed) if missed else 'none'}. Misses come from long prompts "
+        "on big, unevenly loaded pools, where the exact Algorithm 1 search explores hundreds of (s_current, "
+        "s_next) recursions (the C++ core explores pairs best-first with an exact branch-and-bound, which changes "
+        "no decision). The paper does not state its length or queue distributions, so its Table 2 is a reference "
+        "point, not the same experiment. All latencies are planner CPU time; the plans come from latency models "
+        "(model outputs), not from GPUs.",
+        "",
+        f"Machine: {meta['machine']}. Command: `{meta['command']}`.",
+        "",
+    ]
     return "\n".join(lines)
 
 
@@ -157,7 +174,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--plans", type=int, default=1000)
     parser.add_argument("--python-plans", type=int, default=100)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-sp", type=int, nargs="+", default=[8, 16, 32, 64, 128])
     parser.add_argument("--out", type=Path, default=RESULTS / "cdsp_planner")
@@ -181,7 +198,7 @@ def main() -> None:
         f"[0, {A100_MAX_QUEUE_S}] s. C++ timed inside the core, min of "
         f"{args.repeats} repeats per request; Python timed on the first {args.python_plans} requests.",
         "machine": f"{platform.processor() or platform.machine()}, {platform.python_implementation()} "
-        f"{platform.python_version()} (shared 2-core CPU)",
+        f"{platform.python_version()}, shared 2-core CPU, load average {os.getloadavg()[0]:.1f} at the end",
         "command": "python -m nanocp.bench.bench_cdsp_planner",
         "goal_us": {"avg": GOAL_US[0], "max": GOAL_US[1]},
     }

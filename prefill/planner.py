@@ -16,7 +16,10 @@ Policies:
 Deterministic tie-breaking everywhere: instances order by (queue time, index); nodes by (queue value, node index);
 SP sizes ascend and a larger size replaces the current choice only when strictly better by the improvement rate;
 SP pairs run (s_current ascending, then s_next ascending) and a chunked plan replaces the best one only when its TTFT
-is strictly smaller; among attention modes with equal latency the first model given wins.
+is strictly smaller (so the result is the earliest plan, in that order, with the smallest TTFT); among attention
+modes with equal latency the first model given wins. Both implementations skip pairs that provably cannot beat the
+best plan (a lower bound of Eq. 1, see `_cannot_win`); the C++ core also explores the pairs best-first by that bound
+and breaks TTFT ties by the order above, so it returns exactly the same plan.
 
 All times are seconds from the moment of planning.
 """
@@ -275,9 +278,7 @@ class CdspPlanner:
                 chunk = Chunk(length, context, tuple(current), t0 + queue_cur, t0 + end_rel, attention)
                 # Eq. 2: re-base the queue times on the end of this chunk.
                 next_pool = {i: max(0.0, t - end_rel) for i, t in sub_pool.items()}
-                result = self._schedule(
-                    tokens - length, prefix + [chunk], context + length, current, next_sizes, next_pool, t0 + end_rel
-                )
+                result = self._schedule(rest, prefix + [chunk], next_context, current, next_sizes, next_pool, next_t0)
                 if best.ttft > result.ttft:
                     best = result
         return best
@@ -393,8 +394,12 @@ class CoreCdspPlanner:
         )
 
     def plan(self, length: int, queue_times: Sequence[float]) -> ChunkPlan:
-        queue = _check_inputs(self.config, length, queue_times)
-        ttft, raw = self.core.plan(length, queue)
+        if not isinstance(length, int) or isinstance(length, bool) or length < 1:
+            raise PlannerError(f"length must be a positive int, got {length!r}")
+        try:  # the core checks the queue times (count, finite, >= 0)
+            ttft, raw = self.core.plan(length, queue_times)
+        except (ValueError, TypeError) as exc:
+            raise PlannerError(f"bad queue times: {exc}") from exc
         chunks = [
             Chunk(tokens, context, tuple(instances), start, end, self.models[mode].attention)
             for tokens, context, instances, start, end, mode in raw

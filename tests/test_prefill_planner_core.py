@@ -143,6 +143,17 @@ def test_core_matches_python_on_large_pools(max_sp):
         assert_same_plan(core.plan(length, queue), py.plan(length, queue))
 
 
+def test_core_planner_wraps_core_errors():
+    planner = CoreCdspPlanner(A100, PlannerConfig(num_nodes=1, instances_per_node=4, max_sp=4))
+    with pytest.raises(PlannerError, match="queue time per instance"):
+        planner.plan(1000, [0.0] * 5)
+    with pytest.raises(PlannerError, match="finite"):
+        planner.plan(1000, [0.0, -2.0, 0.0, 0.0])
+    with pytest.raises(PlannerError, match="length"):
+        planner.plan(1.5, [0.0] * 4)
+    assert planner.plan(1000, [0, 1, 2, 3]).ttft > 0  # ints are fine
+
+
 def test_core_rejects_bad_input():
     config = PlannerConfig(num_nodes=1, instances_per_node=4, max_sp=4)
     core = CoreCdspPlanner(A100, config).core
