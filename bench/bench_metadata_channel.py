@@ -139,7 +139,8 @@ def write_results(result: dict, out_dir: Path) -> None:
         "# Metadata channel: push-to-visible latency",
         "",
         f"Measured on this CPU machine: {m['cpu']}, {m['cores']} cores, Python {m['python']}, torch {m['torch']}; "
-        f"load average {m['load_average_at_start']} at start (the cores are shared with other jobs).",
+        f"load average {m['load_average_at_start']} at start, {m.get('load_average_at_end')} at end "
+        "(the cores are shared with other jobs, which shows in the tails).",
         f"{result['config']['pushes']} timed pushes per row after {result['config']['warmup']} warm-up pushes; "
         "receiver in a separate process; the next push starts after the previous table was acknowledged.",
         "Latency = time from `push` to `wait_table` returning the validated table (CLOCK_MONOTONIC).",
