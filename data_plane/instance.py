@@ -59,6 +59,13 @@ class RowInput:
     fallback_seed: int
 
 
+@dataclass(frozen=True)
+class Wait:
+    """An exchange point: the iteration may go on once every (flag, value) pair holds on this instance."""
+
+    flags: list[tuple[int, int]]
+
+
 @dataclass
 class RowOutput:
     batch_index: int
@@ -89,9 +96,9 @@ class DecodeInstance:
         heads, dqk, dv = c.num_attention_heads, c.kv_cache_dim, c.kv_lora_rank
         # Registration order is collective: every instance builds the same buffers in the same order.
         self.q_route = RoutingBackend(fabric, "q", max(1, limits.max_q_recv), (heads, dqk), dtype, timeout_s)
-        self.o_route = RoutingBackend(fabric, "res_o", max(1, limits.max_res_recv), (heads, dv), dtype, timeout_s)
-        self.lse_route = RoutingBackend(
-            fabric, "res_lse", max(1, limits.max_res_recv), (heads,), torch.float32, timeout_s
+        # A partial result travels as one row: o (kv_lora values per head) with its LSE appended.
+        self.res_route = RoutingBackend(
+            fabric, "res", max(1, limits.max_res_recv), (heads, dv + 1), torch.float32, timeout_s
         )
         self.dispatcher = None
         if any(layer.moe is not None for layer in model.layers):
@@ -104,6 +111,7 @@ class DecodeInstance:
             if missing:
                 raise ValueError(f"instance {rank} must hold experts {sorted(missing)}")
         self._seq = 0
+        self._expert_out: torch.Tensor | None = None
 
     # ------------------------------------------------------------------ one decode iteration
 
@@ -111,19 +119,27 @@ class DecodeInstance:
     def run_iteration(
         self, table: RoutingTables, rows: dict[int, RowInput], return_logits: bool = False
     ) -> list[RowOutput]:
-        """Run every layer for this instance's part of the plan; sample the local MoE rows."""
-        if table.instance != self.rank:
-            raise ValueError(f"instance {self.rank} got the routing table of instance {table.instance}")
+        """Run every layer for this instance's part of the plan, blocking on the fabric at each exchange."""
+        steps = self.iteration(table, rows, return_logits)
+        try:
+            wait = next(steps)
+            while True:
+                for flag, value in wait.flags:
+                    self.fabric.wait(flag, value, self.timeout_s)
+                wait = steps.send(None)
+        except StopIteration as done:
+            return done.value
+
+    def iteration(self, table: RoutingTables, rows: dict[int, RowInput], return_logits: bool = False):
+        """The iteration as a generator: it yields a `Wait` at every exchange and returns the sampled rows.
+
+        `run_iteration` blocks on each Wait (one thread or process per instance); `LockstepCluster` drives all
+        instances' generators from one thread, resuming whichever instance's Wait is satisfied.
+        """
+        self._check_table(table, rows)
         shape = table.shape
-        if shape.moe_batch > self.limits.max_moe_batch or shape.q_recv > self.limits.max_q_recv:
-            raise ValueError(f"instance {self.rank}: iteration shape {shape} exceeds its limits {self.limits}")
-        if shape.res_recv > self.limits.max_res_recv:
-            raise ValueError(f"instance {self.rank}: iteration shape {shape} exceeds its limits {self.limits}")
         moe = torch.from_numpy(table.moe).long()  # [m, 3]: batch index, position, local shard
         shards = torch.from_numpy(table.shards).long()  # [s, 5]
-        missing = [int(b) for b in moe[:, 0] if int(b) not in rows]
-        if missing:
-            raise ValueError(f"instance {self.rank}: no input for batch rows {missing}")
         ctx = dict(
             iteration=table.iteration,
             instance=self.rank,
@@ -136,18 +152,28 @@ class DecodeInstance:
         step = _StepTables.build(table, moe, shards, self.pool.page_size)
         device = self.model.embed_tokens.device
         tokens = torch.tensor([rows[int(b)].token for b in moe[:, 0]], dtype=torch.int64, device=device)
-        h = embed(self.model, tokens) if len(tokens) else self._empty_hidden()  # [m, D]
-        for layer in self.model.layers:
-            h = self._layer(layer, h, step, ctx)
-        with self.timing.phase("sampling", -1, ctx):
-            out = self._sample(h, moe, rows, return_logits)
-        return out
+        with torch.no_grad():
+            h = embed(self.model, tokens) if len(tokens) else self._empty_hidden()  # [m, D]
+            for layer in self.model.layers:
+                h = yield from self._layer(layer, h, step, ctx)
+            with self.timing.phase("sampling", -1, ctx):
+                return self._sample(h, moe, rows, return_logits)
+
+    def _check_table(self, table: RoutingTables, rows: dict[int, RowInput]) -> None:
+        if table.instance != self.rank:
+            raise ValueError(f"instance {self.rank} got the routing table of instance {table.instance}")
+        shape, lim = table.shape, self.limits
+        if shape.moe_batch > lim.max_moe_batch or shape.q_recv > lim.max_q_recv or shape.res_recv > lim.max_res_recv:
+            raise ValueError(f"instance {self.rank}: iteration shape {shape} exceeds its limits {lim}")
+        missing = [int(b) for b in table.moe[:, 0] if int(b) not in rows]
+        if missing:
+            raise ValueError(f"instance {self.rank}: no input for batch rows {missing}")
 
     def _empty_hidden(self) -> torch.Tensor:
         e = self.model.embed_tokens
         return e.new_zeros(0, e.shape[1])
 
-    def _layer(self, layer, h: torch.Tensor, step: _StepTables, ctx: dict) -> torch.Tensor:
+    def _layer(self, layer, h: torch.Tensor, step: _StepTables, ctx: dict):
         c, i = self.model.config, layer.index
         timing = self.timing
         with timing.phase("projection", i, ctx):
@@ -156,10 +182,12 @@ class DecodeInstance:
                 self.pool.write_tokens(i, step.new_frames, step.new_slots, kv_new)
         seq = self._next_seq()
         with timing.phase("q_route", i, ctx):
-            q_recv = self.q_route.route(step.q_send, q_latent, step.q_sources, seq, self.timeout_s)
+            self.q_route.send(step.q_send, q_latent, seq)
+        yield Wait(self.q_route.wait_flags(step.q_sources, seq))
         with timing.phase("attention", i, ctx):
+            q_recv = self.q_route.recv
             # Shard queries: local ones from this instance's rows, remote ones from the receive buffer.
-            q_shard = torch.empty(len(step.shard_q_local), *q_latent.shape[1:], dtype=q_latent.dtype)
+            q_shard = torch.empty(len(step.shard_lens), *q_latent.shape[1:], dtype=q_latent.dtype)
             if len(step.local_shard_idx):
                 q_shard[step.local_shard_idx] = q_latent[step.local_shard_moe_row]
             if len(step.remote_shard_idx):
@@ -168,35 +196,44 @@ class DecodeInstance:
                 q_shard, self.pool.kv[i], step.block_table, step.shard_lens, self.model.softmax_scale, c.kv_lora_rank
             )  # [s, H, kv_lora], [s, H]
         with timing.phase("res_route", i, ctx):
-            o_recv = self.o_route.route(step.res_send, o, step.res_sources, seq, self.timeout_s)
-            lse_recv = self.lse_route.route(step.res_send, lse, step.res_sources, seq, self.timeout_s)
+            self.res_route.send(step.res_send, torch.cat([o.float(), lse[..., None]], dim=-1), seq)
+        yield Wait(self.res_route.wait_flags(step.res_sources, seq))
         with timing.phase("merge", i, ctx):
-            o_parts = torch.cat([o[step.merge_local_shard], o_recv[: step.n_res_recv]])  # [m + r, H, kv_lora]
-            lse_parts = torch.cat([lse[step.merge_local_shard], lse_recv[: step.n_res_recv]])
-            o_merged = _merge_by_row(o_parts, lse_parts, step.merge_row, len(h))
+            res = self.res_route.recv[: step.n_res_recv]  # [r, H, kv_lora + 1]: partial o | lse
+            o_parts = torch.cat([o[step.merge_local_shard], res[..., :-1].to(o.dtype)])  # [m + r, H, kv_lora]
+            lse_parts = torch.cat([lse[step.merge_local_shard], res[..., -1]])
+            if step.n_res_recv:
+                o_merged = _merge_by_row(o_parts, lse_parts, step.merge_row, len(h))
+            else:  # every local request has its whole KV here: its only partial is the result
+                o_merged = o_parts
             h = h + mla_decode_output(layer, o_merged)
         x = post_attention_norm(layer, h)
         if layer.moe is None:
             with timing.phase("dense", i, ctx):
                 return h + dense_mlp(layer, x)
-        return h + self._moe(layer, x, ctx)
+        routed = yield from self._moe(layer, x, ctx)
+        return h + routed
 
-    def _moe(self, layer, x: torch.Tensor, ctx: dict) -> torch.Tensor:
-        timing, i = self.timing, layer.index
+    def _moe(self, layer, x: torch.Tensor, ctx: dict):
+        timing, i, dispatcher = self.timing, layer.index, self.dispatcher
         with timing.phase("dispatch", i, ctx):
             topk_idx, topk_weights = moe_gate(layer, x)  # [m, k]
-            recv_x, _, handle = self.dispatcher.dispatch(x, topk_idx)
+            pending = dispatcher.dispatch_send(x, topk_idx)
+        yield Wait(dispatcher.wait_flags(pending))
         with timing.phase("experts", i, ctx):
-            y = torch.zeros_like(recv_x)  # [local_experts, ranks * max, D]
-            mt = self.dispatcher.max_tokens
+            recv_x, _, handle = dispatcher.dispatch_finish(pending)
+            if self._expert_out is None:  # static, like recv_x: only rows that hold tokens are written and sent
+                self._expert_out = torch.empty_like(recv_x)  # [local_experts, ranks * max, D]
+            y = self._expert_out
             for local, expert_id in enumerate(self.local_experts):
-                for src, n in enumerate(handle.recv_layout[:, local].tolist()):
-                    if n:
-                        rows = slice(src * mt, src * mt + n)
-                        y[local, rows] = expert_ffn(layer.moe.experts[expert_id], recv_x[local, rows])
+                rows = _slab_rows(handle.recv_layout[:, local], dispatcher.max_tokens)  # received rows
+                if len(rows):
+                    y[local, rows] = expert_ffn(layer.moe.experts[expert_id], recv_x[local, rows])
         with timing.phase("combine", i, ctx):
-            routed = self.dispatcher.combine(y, topk_idx, topk_weights, handle)
-            return routed + shared_expert(layer, x)
+            dispatcher.combine_send(y, topk_idx, topk_weights, handle)
+        yield Wait(dispatcher.wait_flags(handle))
+        with timing.phase("combine", i, ctx):
+            return dispatcher.combine_finish(handle, topk_weights, y.dtype) + shared_expert(layer, x)
 
     def _sample(self, h: torch.Tensor, moe: torch.Tensor, rows: dict[int, RowInput], keep: bool) -> list[RowOutput]:
         if not len(h):
@@ -212,6 +249,13 @@ class DecodeInstance:
     def _next_seq(self) -> int:
         self._seq += 1
         return self._seq
+
+
+def _slab_rows(counts: torch.Tensor, max_tokens: int) -> torch.Tensor:
+    """Rows of an expert's receive slab that hold tokens: source s sent counts[s] rows from row s * max_tokens."""
+    counts = counts.long()
+    skip = torch.arange(len(counts)) * max_tokens - (torch.cumsum(counts, 0) - counts)  # [ranks]
+    return torch.repeat_interleave(skip, counts) + torch.arange(int(counts.sum()))
 
 
 def _merge_by_row(o_parts: torch.Tensor, lse_parts: torch.Tensor, row: torch.Tensor, m: int) -> torch.Tensor:
@@ -241,7 +285,6 @@ class _StepTables:
     new_slots: torch.Tensor  # [m] slot inside that frame
     q_send: torch.Tensor  # [n, 3] (dst, src moe row, dst row)
     q_sources: list[int]
-    shard_q_local: torch.Tensor  # [s] bool
     local_shard_idx: torch.Tensor
     local_shard_moe_row: torch.Tensor
     remote_shard_idx: torch.Tensor
@@ -281,7 +324,6 @@ class _StepTables:
             new_slots=tail_slot % page_size,
             q_send=q_send[:, [1, 0, 2]] if len(q_send) else q_send.reshape(0, 3),
             q_sources=sorted({int(s) for s in t.q_recv[:, 0]}),
-            shard_q_local=local,
             local_shard_idx=local_idx,
             local_shard_moe_row=shard_to_moe_row[local_idx],
             remote_shard_idx=remote_idx,

@@ -27,7 +27,7 @@ class EngineConfig:
     decode_instances: int = 4
     instances_per_node: int | None = None  # default: every instance on one node
     policy: str = "nanocp"
-    backend: str = "threads"  # "threads" | "processes"
+    backend: str = "inline"  # "inline" (one thread, cooperative) | "threads" | "processes"
     kv_capacity_tokens: int = 16384  # per instance
     page_size: int = 16
     max_batch_per_instance: int = 64
@@ -36,6 +36,9 @@ class EngineConfig:
     dtype: torch.dtype = torch.float32
     timeout_s: float = 30.0
     timing: bool = False
+    # Intra-op threads for torch in this process (None: leave torch's setting). Decode work here is many small
+    # ops; OpenMP fan-out on them costs more than it gives, badly so when other processes share the cores.
+    torch_threads: int | None = 1
 
     def cluster_spec(self) -> ClusterSpec:
         per_node = self.instances_per_node or self.decode_instances
@@ -98,6 +101,8 @@ class _Request:
 class Engine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
+        if config.torch_threads is not None:
+            torch.set_num_threads(config.torch_threads)
         self.model_config = load_config(config.model)
         self.tokenizer = load_tokenizer(config.model)
         spec = config.cluster_spec()

@@ -112,15 +112,15 @@ def test_moe_binding_moves_do_not_change_outputs(reference_model):
     assert_logits_close(out.logits, reference_logits(reference_model, long_prompt, out.token_ids))
 
 
-def test_processes_backend_gives_the_same_tokens_as_threads():
+def test_every_backend_gives_the_same_tokens():
     prompts = random_prompts(4, seed=3, low=10, high=50)
     params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
     kwargs = dict(decode_instances=4, cp_buckets=FORCE_CP, page_size=8)
-    with LLM("tiny", backend="threads", **kwargs) as llm:
-        threads = [o.token_ids for o in llm.generate(prompts, params)]
-    with LLM("tiny", backend="processes", **kwargs) as llm:
-        processes = [o.token_ids for o in llm.generate(prompts, params)]
-    assert threads == processes
+    tokens = {}
+    for backend in ("inline", "threads", "processes"):
+        with LLM("tiny", backend=backend, **kwargs) as llm:
+            tokens[backend] = [o.token_ids for o in llm.generate(prompts, params)]
+    assert tokens["inline"] == tokens["threads"] == tokens["processes"]
 
 
 def test_seeded_sampling_is_independent_of_placement():

@@ -1,0 +1,283 @@
+"""A decode cluster on Ray: one actor per DecodeInstance, kept together per node by placement groups.
+
+Same interface as ThreadCluster / ProcessCluster (run_iteration, write_kv, timing_records, close), so the Engine
+drives it unchanged. Instance r belongs to node group r // instances_per_node; each group is one STRICT_PACK
+placement group (one bundle per instance: 1 GPU on a GPU cluster, CPUs otherwise), so a node's instances share a
+host as the scheduler's ClusterSpec assumes. The KV pools live in the actors: prefill's `write_kv` is an actor
+call. The fabric between actors is shared memory (ShmFabric) when every actor is on one host, else
+torch.distributed over gloo (TorchDistFabric, rendezvous at rank 0's node); `fabric="dist"` forces the latter.
+
+The decode math runs on the actor's CPU: the data plane's tensors and fabrics are host memory today, so on a GPU
+cluster each actor reserves its GPU (placement, isolation) while computing with the reference CPU path.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import traceback
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import numpy as np
+import torch
+
+from nanocp.comm.fabric import FabricTimeout
+from nanocp.comm.shm_fabric import ShmFabric, ShmFabricInfo
+from nanocp.control_plane.lowering import RoutingTables
+from nanocp.models import load_config
+
+from .cluster import ClusterConfig, InstanceFailure, build_instance
+from .instance import RowInput, RowOutput
+from .kv_pool import PagedKVPool
+from .timing import PhaseRecord
+
+FABRICS = ("auto", "shm", "dist")
+NUM_FLAGS = 64
+
+
+@dataclass(frozen=True)
+class RayPlacement:
+    """Where the instances go: `instances_per_node` per placement group, each with its own resources."""
+
+    instances_per_node: int
+    gpus_per_instance: float = 0.0  # 1 on a GPU cluster
+    cpus_per_instance: float = 1.0
+    fabric: str = "auto"  # auto | shm | dist
+    start_timeout_s: float = 300.0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.instances_per_node, int) or self.instances_per_node < 1:
+            raise ValueError(f"instances_per_node must be an int >= 1, got {self.instances_per_node!r}")
+        if self.fabric not in FABRICS:
+            raise ValueError(f"unknown fabric {self.fabric!r}; choose one of {FABRICS}")
+        if self.gpus_per_instance < 0 or self.cpus_per_instance <= 0:
+            raise ValueError("gpus_per_instance must be >= 0 and cpus_per_instance > 0")
+
+    def bundle(self) -> dict[str, float]:
+        b = {"CPU": self.cpus_per_instance}
+        if self.gpus_per_instance:
+            b["GPU"] = self.gpus_per_instance
+        return b
+
+
+@dataclass(frozen=True)
+class ActorLocation:
+    node_id: str
+    ip: str
+    pid: int
+
+
+class InstanceActor:
+    """Body of one Ray actor: a DecodeInstance with its own KV pool (wrapped with ray.remote by RayCluster)."""
+
+    def __init__(self, cfg: ClusterConfig, rank: int) -> None:
+        torch.set_num_threads(1)
+        self.cfg, self.rank = cfg, rank
+        self.instance = None
+        self.fabric = None
+        self.distributed = False
+
+    def location(self) -> ActorLocation:
+        import ray
+
+        return ActorLocation(ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address(), os.getpid())
+
+    def free_port(self) -> int:
+        with socket.socket() as s:
+            s.bind(("", 0))
+            return s.getsockname()[1]
+
+    def start(self, fabric: str, arg: ShmFabricInfo | str, single_host: bool) -> None:
+        """Join the fabric (collective: every actor starts concurrently) and build the instance."""
+        cfg = self.cfg
+        if fabric == "shm":
+            self.fabric = ShmFabric(arg, self.rank)
+        else:
+            import torch.distributed as dist
+
+            from nanocp.comm.dist_fabric import TorchDistFabric
+
+            if single_host:
+                os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+            dist.init_process_group(
+                "gloo", init_method=arg, rank=self.rank, world_size=cfg.num_instances, timeout=timedelta(seconds=120)
+            )
+            self.distributed = True
+            self.fabric = TorchDistFabric(num_flags=NUM_FLAGS)
+        c = load_config(cfg.model)
+        pool = PagedKVPool.allocate(
+            c.num_hidden_layers, cfg.frames_per_instance, cfg.page_size, c.kv_cache_dim, cfg.dtype, shared=False
+        )
+        self.instance = build_instance(cfg, self.rank, self.fabric, pool)
+
+    def run_iteration(self, table: np.ndarray, rows: dict[int, RowInput], return_logits: bool) -> tuple:
+        """("ok", outputs, timing records) or ("error", text, is_fabric_timeout); the actor keeps serving."""
+        try:
+            out = self.instance.run_iteration(RoutingTables.parse(table), rows, return_logits)
+        except Exception as e:  # noqa: BLE001 - reported to the driver
+            return ("error", f"{type(e).__name__}: {e}", isinstance(e, FabricTimeout))
+        records, self.instance.timing.records = self.instance.timing.records, []
+        return ("ok", out, records)
+
+    def write_kv(self, frames: list[int], kv: torch.Tensor) -> None:
+        self.instance.pool.write_range(frames, 0, kv)
+
+    def close(self) -> None:
+        """Collective for the dist fabric: every actor closes concurrently."""
+        if self.fabric is not None:
+            self.fabric.close()
+            self.fabric = None
+        if self.distributed:
+            import torch.distributed as dist
+
+            dist.destroy_process_group()
+            self.distributed = False
+
+
+@dataclass
+class _Handles:
+    groups: list = field(default_factory=list)  # placement groups, one per node group
+    actors: list = field(default_factory=list)
+    shm: ShmFabricInfo | None = None
+
+
+class RayCluster:
+    """N Ray actors; needs `ray.init(...)` to have been called (the deploy command does it)."""
+
+    def __init__(self, cfg: ClusterConfig, placement: RayPlacement | None = None) -> None:
+        import ray
+
+        if not ray.is_initialized():
+            raise RuntimeError("RayCluster needs a connected Ray runtime: call ray.init(...) first")
+        placement = placement or RayPlacement(cfg.num_instances)
+        if cfg.num_instances % placement.instances_per_node:
+            raise ValueError(f"{cfg.num_instances} instances do not fill whole nodes of {placement.instances_per_node}")
+        self.cfg, self.placement = cfg, placement
+        self._h = _Handles()
+        self._records: list[PhaseRecord] = []
+        self._closed = False
+        try:
+            self._place()
+            self.locations: list[ActorLocation] = ray.get(
+                [a.location.remote() for a in self._h.actors], timeout=placement.start_timeout_s
+            )
+            self.fabric = self._choose_fabric()
+            self._start_instances()
+        except BaseException:
+            self.close()
+            raise
+
+    # ---- startup ------------------------------------------------------------------------------------------
+
+    def _place(self) -> None:
+        import ray
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        p, n = self.placement, self.cfg.num_instances
+        for _ in range(n // p.instances_per_node):
+            self._h.groups.append(placement_group([p.bundle()] * p.instances_per_node, strategy="STRICT_PACK"))
+        for g, group in enumerate(self._h.groups):
+            if not group.wait(p.start_timeout_s):
+                raise InstanceFailure(
+                    f"placement group {g} ({p.instances_per_node} x {p.bundle()}) could not be placed within "
+                    f"{p.start_timeout_s:.0f} s; cluster resources: {ray.cluster_resources()}"
+                )
+        actor_cls = ray.remote(InstanceActor)
+        for rank in range(n):
+            group = self._h.groups[rank // p.instances_per_node]
+            strategy = PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=rank % p.instances_per_node)
+            options = dict(num_cpus=p.cpus_per_instance, num_gpus=p.gpus_per_instance, scheduling_strategy=strategy)
+            self._h.actors.append(actor_cls.options(**options).remote(self.cfg, rank))
+
+    def _choose_fabric(self) -> str:
+        single_host = len({loc.node_id for loc in self.locations}) == 1
+        if self.placement.fabric == "shm" and not single_host:
+            raise ValueError("fabric 'shm' needs every instance on one host; use 'dist' or 'auto'")
+        if self.placement.fabric == "auto":
+            return "shm" if single_host else "dist"
+        return self.placement.fabric
+
+    def _start_instances(self) -> None:
+        import ray
+
+        actors = self._h.actors
+        single_host = len({loc.node_id for loc in self.locations}) == 1
+        if self.fabric == "shm":
+            self._h.shm = ShmFabric.new_session(self.cfg.num_instances, NUM_FLAGS)
+            arg = self._h.shm
+        else:
+            port = ray.get(actors[0].free_port.remote())
+            host = "127.0.0.1" if single_host else self.locations[0].ip
+            arg = f"tcp://{host}:{port}"
+        refs = [a.start.remote(self.fabric, arg, single_host) for a in actors]
+        try:
+            ray.get(refs, timeout=self.placement.start_timeout_s)
+        except ray.exceptions.RayError as e:
+            raise InstanceFailure(f"decode instances failed to start: {e}") from e
+
+    # ---- the cluster interface ----------------------------------------------------------------------------
+
+    @property
+    def num_instances(self) -> int:
+        return self.cfg.num_instances
+
+    def run_iteration(
+        self, tables: list[np.ndarray], rows: list[dict[int, RowInput]], return_logits: bool = False
+    ) -> list[RowOutput]:
+        import ray
+
+        refs = [a.run_iteration.remote(tables[r], rows[r], return_logits) for r, a in enumerate(self._h.actors)]
+        outputs, errors = [], []
+        for r, ref in enumerate(refs):
+            try:
+                msg = ray.get(ref, timeout=self.cfg.timeout_s * 2 + 5)
+            except (ray.exceptions.RayError, TimeoutError) as e:
+                errors.append((False, f"instance {r}: {type(e).__name__}: {e}"))
+                continue
+            if msg[0] == "ok":
+                outputs.extend(msg[1])
+                self._records.extend(msg[2])
+            else:
+                errors.append((msg[2], f"instance {r}: {msg[1]}"))
+        if errors:
+            real = [text for is_timeout, text in errors if not is_timeout] or [errors[0][1]]
+            raise InstanceFailure(f"decode iteration failed: {real[0]}")
+        return outputs
+
+    def write_kv(self, instance: int, frames: list[int], kv: torch.Tensor) -> None:
+        """kv [L, n, Dkv] -> slots 0..n-1 of a shard whose pages are `frames` on `instance` (an actor call)."""
+        import ray
+
+        try:
+            ray.get(self._h.actors[instance].write_kv.remote(list(frames), kv.contiguous()), timeout=self.cfg.timeout_s)
+        except ray.exceptions.RayError as e:
+            raise InstanceFailure(f"writing KV into instance {instance} failed: {e}") from e
+
+    def timing_records(self) -> list[PhaseRecord]:
+        records, self._records = self._records, []
+        return records
+
+    def close(self, timeout_s: float = 30.0) -> None:
+        """Close the fabrics (collectively), kill the actors, remove the placement groups. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        import ray
+        from ray.util.placement_group import remove_placement_group
+
+        actors, self._h.actors = self._h.actors, []
+        if actors:
+            try:
+                ray.get([a.close.remote() for a in actors], timeout=timeout_s)
+            except Exception:  # noqa: BLE001 - a dead actor cannot close; it is killed below anyway
+                traceback.print_exc()
+        for a in actors:
+            ray.kill(a, no_restart=True)
+        for group in self._h.groups:
+            remove_placement_group(group)
+        self._h.groups = []
+        if self._h.shm is not None:
+            ShmFabric.cleanup(self._h.shm)
+            self._h.shm = None
