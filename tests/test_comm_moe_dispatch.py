@@ -149,3 +149,36 @@ def test_bad_input_is_rejected():
     assert torch.equal(out[1], torch.zeros(8)) and torch.equal(out[0], x[0]) and torch.equal(out[2], 2 * x[2])
     with pytest.raises(ValueError, match="multiple"):
         LowLatencyDispatcher(InProcessFabric.create(1)[0], 0, 8, 3)
+
+
+def test_split_phases_drive_all_ranks_from_one_thread():
+    """dispatch_send / wait_flags / dispatch_finish and the combine pair let one thread step every rank in
+    lock-step (polling the flags instead of blocking) with the same result as the blocking calls."""
+    world, num_experts, hidden, max_tokens, k = 3, 6, 8, 4, 2
+    fabrics = InProcessFabric.create(world)
+    disps = run_threads(
+        lambda r: LowLatencyDispatcher(fabrics[r], num_experts, hidden, max_tokens, dtype=torch.float32), world
+    )
+    gen = torch.Generator().manual_seed(5)
+    xs = [torch.randn(4, hidden, generator=gen) for _ in range(world)]
+    idxs = [random_topk(4, k, num_experts, gen, drop=0.2) for _ in range(world)]
+    ws = [torch.rand(4, k, generator=gen) for _ in range(world)]
+
+    def ready(rank, pending) -> bool:
+        return all(fabrics[rank].read_flag(f) >= v for f, v in disps[rank].wait_flags(pending))
+
+    pending = []
+    for r in range(world):
+        assert r == 0 or not ready(0, pending[0])  # rank 0 cannot finish before every rank has sent
+        pending.append(disps[r].dispatch_send(xs[r], idxs[r]))
+    assert all(ready(r, pending[r]) for r in range(world))
+    handles = []
+    for r in range(world):
+        recv_x, count, handle = disps[r].dispatch_finish(pending[r])
+        local = torch.arange(r * 2, r * 2 + 2)
+        disps[r].combine_send(expert_fn(recv_x, local[:, None].expand(-1, recv_x.shape[1])), idxs[r], ws[r], handle)
+        handles.append(handle)
+    for r in range(world):
+        assert ready(r, handles[r])
+        out = disps[r].combine_finish(handles[r], ws[r], torch.float32)
+        assert torch.equal(out, reference_combine(xs[r], idxs[r], ws[r]))

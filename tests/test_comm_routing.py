@@ -130,3 +130,11 @@ def test_bad_send_lists_are_rejected():
         b.send([(1, 0, 0)], src, seq=3)
     with pytest.raises(ValueError, match="source rank"):
         b.wait([5], seq=3, timeout_s=0.01)
+
+
+def test_wait_flags_lists_what_wait_blocks_on():
+    fabrics, backends = build(3, 4)
+    b = backends[2]
+    assert b.wait_flags([1, 0, 1], seq=4) == [(b.flag_base, 4), (b.flag_base + 1, 4)]
+    backends[0].send([(2, 0, 0)], torch.randn(4, 4), seq=4)
+    assert [fabrics[2].read_flag(f) >= v for f, v in b.wait_flags([0, 1], seq=4)] == [True, False]
