@@ -31,6 +31,7 @@ from .deepseek_v3 import (
     moe_routed_partial,
     post_attention_norm,
     prefill_forward,
+    prefill_forward_packed,
     rms_norm,
     shared_expert,
 )
@@ -98,6 +99,7 @@ __all__ = [
     "moe_routed_partial",
     "post_attention_norm",
     "prefill_forward",
+    "prefill_forward_packed",
     "random_weights",
     "rms_norm",
     "save_tiny_checkpoint",

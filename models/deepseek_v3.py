@@ -386,6 +386,39 @@ def prefill_forward(
     return PrefillOutput(logits=logits(model, h), kv=torch.stack(new_kv))
 
 
+def prefill_forward_packed(model: DeepseekV3Weights, prompts: list[torch.Tensor]) -> list[PrefillOutput]:
+    """Causal forward of several prompts at once: projections and FFNs run on all tokens packed together,
+    attention per prompt. Each result equals `prefill_forward(model, prompt)` (logits of the last token only:
+    [1, vocab])."""
+    c = model.config
+    for tokens in prompts:
+        _check_tokens(c, tokens)
+    lens = [int(t.shape[0]) for t in prompts]
+    bounds = [0]
+    for n in lens:
+        bounds.append(bounds[-1] + n)
+    positions = torch.cat([torch.arange(n, device=t.device) for n, t in zip(lens, prompts)])  # [T]
+    h = embed(model, torch.cat(prompts))  # [T, D]
+    kvs = []
+    for layer in model.layers:
+        q, kv_new = mla_prefill_qkv(layer, h, positions)
+        k, v = mla_expand_kv(layer, kv_new)
+        o = torch.empty(q.shape[0], c.num_attention_heads, c.v_head_dim, dtype=q.dtype, device=q.device)
+        for a, b in zip(bounds[:-1], bounds[1:]):
+            part = slice(a, b)
+            o[part] = mla_prefill_attention_with_lse(
+                q[part], k[part], v[part], positions[part], positions[part], model.softmax_scale
+            )[0]
+        h = h + mla_prefill_output(layer, o)
+        h = h + ffn_forward(layer, post_attention_norm(layer, h))
+        kvs.append(kv_new)
+    kv = torch.stack(kvs)  # [L, T, Dkv]
+    last = logits(model, h[[b - 1 for b in bounds[1:]]])  # [n, vocab]
+    return [
+        PrefillOutput(logits=last[i : i + 1], kv=kv[:, a:b]) for i, (a, b) in enumerate(zip(bounds[:-1], bounds[1:]))
+    ]
+
+
 @dataclass
 class ContiguousKVCache:
     """Per-request contiguous latent KV for the reference decode: kv [L, B, capacity, Dkv], lens int64 [B]."""

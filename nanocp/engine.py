@@ -13,12 +13,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from nanocp.control_plane import ClusterSpec, CPBucketTable, GlobalScheduler
+from nanocp.control_plane import Admission, ClusterSpec, CPBucketTable, GlobalScheduler
 from nanocp.data_plane.cluster import ClusterConfig, make_cluster
 from nanocp.data_plane.instance import InstanceLimits, RowInput
 from nanocp.data_plane.sampling import SamplingParams, sample_token
 from nanocp.data_plane.timing import PhaseRecord
-from nanocp.models import load_config, load_model, load_tokenizer, prefill_forward
+from nanocp.models import load_config, load_model, load_tokenizer, prefill_forward, prefill_forward_packed
 
 
 @dataclass
@@ -192,8 +192,8 @@ class Engine:
         for rid in plan.preempted:
             self.requests[rid].metrics.preemptions += 1
         batch, tables = plan.batch, plan.tables
-        for adm in plan.admitted:
-            self._prefill(adm.rid, adm.context_len, adm.recompute)
+        if plan.admitted:
+            self._prefill(plan.admitted)
         rows: list[dict[int, RowInput]] = [{} for _ in range(self.spec.num_instances)]
         for instance in range(self.spec.num_instances):
             for batch_index in plan.routing(instance).moe[:, 0].tolist():
@@ -209,24 +209,26 @@ class Engine:
         done, self._done = self._done, []
         return done
 
-    def _prefill(self, rid: str, context_len: int, recompute: bool) -> None:
-        """Compute the context's KV on the driver and write it into the request's shards (pages chosen by the
-        scheduler); sample the first output token unless this is a recompute after preemption."""
-        req = self.requests[rid]
-        tokens = (req.prompt + req.output)[:context_len]
-        out = prefill_forward(self.prefill_model, torch.tensor(tokens, dtype=torch.int64))
-        moe = self.scheduler.request_state(rid).moe_instance
-        start = 0
-        for instance, n_tokens, frames in self.scheduler.shard_pages(rid):
-            n_context = n_tokens - (1 if instance == moe else 0)  # the moe shard's last slot is the new token
-            self.cluster.write_kv(instance, frames, out.kv[:, start : start + n_context])
-            start += n_context
-        if start != context_len:
-            raise RuntimeError(f"request {rid}: shards hold {start} context tokens, expected {context_len}")
-        if not recompute:
-            now = time.monotonic()
-            first = sample_token(out.logits[-1], req.params, 0, req.seed)
-            self._append(req, first, out.logits[-1].clone() if req.keep_logits else None, now)
+    def _prefill(self, admitted: list[Admission]) -> None:
+        """Compute the admitted contexts' KV on the driver (all prompts packed in one forward) and write it into
+        each request's shards, in the pages the scheduler chose; sample the first output token unless this is a
+        recompute after preemption."""
+        contexts = [(self.requests[a.rid].prompt + self.requests[a.rid].output)[: a.context_len] for a in admitted]
+        outs = prefill_forward_packed(self.prefill_model, [torch.tensor(t, dtype=torch.int64) for t in contexts])
+        now = time.monotonic()
+        for adm, out in zip(admitted, outs):
+            req = self.requests[adm.rid]
+            moe = self.scheduler.request_state(adm.rid).moe_instance
+            start = 0
+            for instance, n_tokens, frames in self.scheduler.shard_pages(adm.rid):
+                n_context = n_tokens - (1 if instance == moe else 0)  # the moe shard's last slot: the new token
+                self.cluster.write_kv(instance, frames, out.kv[:, start : start + n_context])
+                start += n_context
+            if start != adm.context_len:
+                raise RuntimeError(f"request {adm.rid}: shards hold {start} context tokens, not {adm.context_len}")
+            if not adm.recompute:
+                first = sample_token(out.logits[-1], req.params, 0, req.seed)
+                self._append(req, first, out.logits[-1].clone() if req.keep_logits else None, now)
 
     def _append(self, req: _Request, token: int, logits: torch.Tensor | None, now: float) -> None:
         if req.metrics.first_token_time is None:

@@ -228,3 +228,15 @@ def test_every_phase_accepts_an_empty_batch():
         h = h + mla_decode_output(layer, o)
         h = h + ffn_forward(layer, post_attention_norm(layer, h))
     assert h.shape == (0, CONFIG.hidden_size) and logits(MODEL, h).shape == (0, CONFIG.vocab_size)
+
+
+def test_packed_prefill_equals_one_prompt_at_a_time():
+    from nanocp.models import load_model, prefill_forward, prefill_forward_packed
+
+    model = load_model("tiny")
+    gen = torch.Generator().manual_seed(17)
+    prompts = [torch.randint(0, 256, (n,), generator=gen) for n in (5, 17, 1, 33)]
+    for prompt, packed in zip(prompts, prefill_forward_packed(model, prompts)):
+        alone = prefill_forward(model, prompt)
+        torch.testing.assert_close(packed.kv, alone.kv, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(packed.logits[-1], alone.logits[-1], rtol=1e-5, atol=1e-5)
