@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from nanocp.comm.fabric import FabricTimeout, InProcessFabric
+from nanocp.comm.metadata_channel import ShmMetadataReceiver, ShmMetadataSender
 from nanocp.comm.shm_fabric import ShmFabric
 from nanocp.control_plane.lowering import RoutingTables
 from nanocp.models import load_config, load_model
@@ -42,6 +43,7 @@ class ClusterConfig:
     dtype: torch.dtype = torch.float32
     timeout_s: float = 30.0
     timing: bool = False
+    table_capacity_bytes: int = 8 << 20  # metadata channel context buffer per instance (processes backend)
 
 
 def experts_of(rank: int, num_instances: int, num_experts: int) -> set[int]:
@@ -184,7 +186,10 @@ def _process_main(cfg: ClusterConfig, rank: int, fabric_info, pool_kv: torch.Ten
     try:
         fabric = ShmFabric(fabric_info, rank)
         instance = build_instance(cfg, rank, fabric, PagedKVPool(pool_kv))
-        conn.send(("ready", rank))
+        # The routing table arrives over the metadata channel: the driver pushes it into this context buffer
+        # and rings the doorbell; the frame header (sequence, length, checksum) is validated before use.
+        tables = ShmMetadataReceiver(rank, cfg.table_capacity_bytes)
+        conn.send(("ready", rank, tables.info))
     except Exception:  # noqa: BLE001 - reported to the driver
         conn.send(("error", traceback.format_exc()))
         return
@@ -193,14 +198,18 @@ def _process_main(cfg: ClusterConfig, rank: int, fabric_info, pool_kv: torch.Ten
             msg = conn.recv()
             if msg[0] == "stop":
                 break
-            _, table, rows, return_logits = msg
+            _, seq, rows, return_logits = msg
             try:
+                table = np.frombuffer(bytes(tables.wait_table(seq, cfg.timeout_s)), dtype=np.int32)
+                if tables.last_seq != seq:
+                    raise InstanceFailure(f"instance {rank}: expected routing table {seq}, got {tables.last_seq}")
                 out = instance.run_iteration(RoutingTables.parse(table), rows, return_logits)
                 conn.send(("ok", out, instance.timing.records))
                 instance.timing.records = []
             except Exception as e:  # noqa: BLE001 - reported to the driver, the instance keeps serving
                 conn.send(("error", f"{type(e).__name__}: {e}", isinstance(e, FabricTimeout)))
     finally:
+        tables.close()
         fabric.close()
 
 
@@ -220,11 +229,14 @@ class ProcessCluster(_LocalPools):
             self._conns.append(parent)
             self._procs.append(proc)
         self._records: list[PhaseRecord] = []
+        self._senders: list[ShmMetadataSender] = []
+        self._seq = 0
         for r in range(cfg.num_instances):
             msg = self._recv(r, start_timeout_s)
             if msg[0] != "ready":
                 self.close()
                 raise InstanceFailure(f"instance {r} failed to start:\n{msg[1]}")
+            self._senders.append(ShmMetadataSender(msg[2]))
 
     def _recv(self, rank: int, timeout_s: float):
         conn = self._conns[rank]
@@ -239,8 +251,10 @@ class ProcessCluster(_LocalPools):
     def run_iteration(
         self, tables: list[np.ndarray], rows: list[dict[int, RowInput]], return_logits: bool = False
     ) -> list[RowOutput]:
+        self._seq += 1
         for r, conn in enumerate(self._conns):
-            conn.send(("run", tables[r], rows[r], return_logits))
+            self._senders[r].push(self._seq, tables[r].tobytes())
+            conn.send(("run", self._seq, rows[r], return_logits))
         outputs, errors = [], []
         for r in range(self.cfg.num_instances):
             try:
@@ -274,6 +288,8 @@ class ProcessCluster(_LocalPools):
             if proc.is_alive():
                 proc.kill()
                 proc.join()
+        for sender in getattr(self, "_senders", []):
+            sender.close()
         ShmFabric.cleanup(self._info)
 
 
