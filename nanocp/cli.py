@@ -13,6 +13,25 @@ from . import __version__
 SUBCOMMAND_MODULES: list[str] = []
 
 
+def command_group(sub: argparse._SubParsersAction, name: str, help: str) -> argparse._SubParsersAction:
+    """The subcommands of `nanocp NAME ...`, created on first use: several layers add to one group (`profile`,
+    `bench`), so each asks for the group instead of adding a parser of that name itself."""
+    parser = sub.choices.get(name)
+    if parser is None:
+        parser = sub.add_parser(name, help=help)
+        parser.set_defaults(func=lambda args, p=parser: p.print_help())
+        parser._nanocp_group = parser.add_subparsers(dest=f"{name}_command", metavar="COMMAND")
+    return parser._nanocp_group
+
+
+def cmd_profile_cp_buckets(args: argparse.Namespace) -> int:
+    from .bench.cp_buckets import write_cp_buckets
+
+    table = write_cp_buckets(args.profile, args.out, args.instances_per_node)
+    print(json.dumps({"out": args.out, "max_lens": table.max_lens, "cps": table.cps}))
+    return 0
+
+
 def add_cluster_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="tiny", help="'tiny' (embedded default) or an HF checkpoint directory")
     p.add_argument("--decode-instances", type=int, default=4, help="number of DP-EP decode instances (default 4)")
@@ -84,6 +103,13 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--ignore-eos", action="store_true")
     gen.set_defaults(func=cmd_generate)
+
+    profile = command_group(sub, "profile", "offline profiling (CP buckets, decode and prefill latency)")
+    buckets = profile.add_parser("cp-buckets", help="length -> CP degree table from a latency profile")
+    buckets.add_argument("--profile", default="h200-deepseek-v3", help="latency profile name or path")
+    buckets.add_argument("--instances-per-node", type=int, default=8)
+    buckets.add_argument("--out", default="control_plane/data/cp_buckets_default.json")
+    buckets.set_defaults(func=cmd_profile_cp_buckets)
     for module in SUBCOMMAND_MODULES:
         importlib.import_module(module).register(sub)
     return parser
