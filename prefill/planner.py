@@ -316,6 +316,30 @@ class CdspPlanner:
         c = min(k.c for k in coeffs)
         return min(k.a for k in coeffs), min(k.b for k in coeffs), c, min(min(k.d for k in coeffs), c / 2.0)
 
+    # --- public pieces for chunk-at-a-time schedulers (queue_policy.py) ----------------------------------------
+    def prefill_latency(self, sp: int, context: int, tokens: int) -> tuple[float, str]:
+        """Eq. 1 latency of a chunk on `sp` instances with the fastest attention mode, and that mode."""
+        if sp not in self.sizes:
+            raise PlannerError(f"SP size {sp} is not a candidate (candidates: {self.sizes})")
+        return self._prefill(sp, context, tokens)
+
+    def best_latency(self, context: int, tokens: int) -> float:
+        """The smallest Eq. 1 latency of a chunk over all candidate SP sizes (an idle pool's best case)."""
+        return min(self._prefill(s, context, tokens)[0] for s in self.sizes)
+
+    def solve_chunk_len(self, sp: int, context: int, budget: float, limit: int) -> int:
+        """Largest chunk (<= limit) whose Eq. 1 latency on `sp` instances fits `budget`; 0 if none."""
+        if sp not in self.sizes:
+            raise PlannerError(f"SP size {sp} is not a candidate (candidates: {self.sizes})")
+        return self._solve(sp, context, budget, limit)
+
+    def single_chunk_group(
+        self, pool: dict[int, float], initial: Sequence[int], tokens: int, context: int
+    ) -> tuple[list[int], float, float, str]:
+        """Algorithm 2 over `pool` (instance -> queue time, s): the group for all `tokens` after `context`,
+        extending `initial`, with its queue time, prefill latency and attention mode (PlannerError if none fits)."""
+        return self._single_chunk(pool, list(initial), self.sizes, tokens, context)
+
     # --- baselines --------------------------------------------------------------------------------------------
     def _fixed(self, length: int, queue: Sequence[float]) -> _Best:
         k = self.config.fixed_sp
