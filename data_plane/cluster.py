@@ -9,15 +9,23 @@ memory). Every fabric wait has a timeout: a dead or stuck instance surfaces as a
 from __future__ import annotations
 
 import multiprocessing as mp
+import time
 import traceback
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from multiprocessing import connection as mp_connection
 
 import numpy as np
 import torch
 
 from nanocp.comm.fabric import FabricTimeout, InProcessFabric
-from nanocp.comm.metadata_channel import ShmMetadataReceiver, ShmMetadataSender
+from nanocp.comm.metadata_channel import (
+    Fault,
+    FaultySender,
+    MetadataChannelError,
+    ShmMetadataReceiver,
+    ShmMetadataSender,
+)
 from nanocp.comm.shm_fabric import ShmFabric
 from nanocp.control_plane.lowering import RoutingTables
 from nanocp.models import load_config, load_model
@@ -44,6 +52,8 @@ class ClusterConfig:
     timeout_s: float = 30.0
     timing: bool = False
     table_capacity_bytes: int = 8 << 20  # metadata channel context buffer per instance (processes backend)
+    metadata_timeout_s: float = 2.0  # an instance waits this long for its table before asking for a resend
+    metadata_retries: int = 3
 
 
 def experts_of(rank: int, num_instances: int, num_experts: int) -> set[int]:
@@ -200,9 +210,13 @@ def _process_main(cfg: ClusterConfig, rank: int, fabric_info, pool_kv: torch.Ten
                 break
             _, seq, rows, return_logits = msg
             try:
-                table = np.frombuffer(bytes(tables.wait_table(seq, cfg.timeout_s)), dtype=np.int32)
+                table = np.frombuffer(bytes(tables.wait_table(seq, cfg.metadata_timeout_s)), dtype=np.int32)
                 if tables.last_seq != seq:
-                    raise InstanceFailure(f"instance {rank}: expected routing table {seq}, got {tables.last_seq}")
+                    raise MetadataChannelError(f"expected routing table {seq}, got {tables.last_seq}")
+            except MetadataChannelError as e:  # lost, torn, corrupt, stale or duplicated push: ask for it again
+                conn.send(("resync", f"{type(e).__name__}: {e}"))
+                continue
+            try:
                 out = instance.run_iteration(RoutingTables.parse(table), rows, return_logits)
                 conn.send(("ok", out, instance.timing.records))
                 instance.timing.records = []
@@ -229,8 +243,10 @@ class ProcessCluster(_LocalPools):
             self._conns.append(parent)
             self._procs.append(proc)
         self._records: list[PhaseRecord] = []
+        self.resyncs = 0  # routing tables pushed again after an instance reported a bad or missing one
         self._senders: list[ShmMetadataSender] = []
-        self._seq = 0
+        self._seqs = [0] * cfg.num_instances  # metadata channel sequence per instance (a resend takes a new one)
+        self._faults: dict[int, list[Fault]] = {}  # test hook: faults to inject into the next pushes
         for r in range(cfg.num_instances):
             msg = self._recv(r, start_timeout_s)
             if msg[0] != "ready":
@@ -251,26 +267,57 @@ class ProcessCluster(_LocalPools):
     def run_iteration(
         self, tables: list[np.ndarray], rows: list[dict[int, RowInput]], return_logits: bool = False
     ) -> list[RowOutput]:
-        self._seq += 1
-        for r, conn in enumerate(self._conns):
-            self._senders[r].push(self._seq, tables[r].tobytes())
-            conn.send(("run", self._seq, rows[r], return_logits))
-        outputs, errors = [], []
         for r in range(self.cfg.num_instances):
-            try:
-                msg = self._recv(r, self.cfg.timeout_s * 2 + 5)
-            except InstanceFailure as e:
-                errors.append((False, str(e)))
-                continue
-            if msg[0] == "ok":
-                outputs.extend(msg[1])
-                self._records.extend(msg[2])
-            else:
-                errors.append((msg[2], f"instance {r}: {msg[1]}"))
+            self._start(r, tables[r], rows[r], return_logits)
+        outputs, errors = [], []
+        retries = dict.fromkeys(range(self.cfg.num_instances), 0)  # instances still running this iteration
+        deadline = time.monotonic() + self.cfg.timeout_s * 2 + 5
+        while retries:
+            # Answers are taken in whatever order they come: an instance asking for a resend must not wait
+            # behind a peer that is itself waiting for that instance on the fabric.
+            ready = mp_connection.wait([self._conns[r] for r in retries], max(0.0, deadline - time.monotonic()))
+            if not ready:
+                errors += [(False, f"instance {r} did not answer in time") for r in sorted(retries)]
+                break
+            for conn in ready:
+                r = self._conns.index(conn)
+                try:
+                    msg = conn.recv()
+                except EOFError:
+                    errors.append((False, f"instance {r} died (exit code {self._procs[r].exitcode})"))
+                    del retries[r]
+                    continue
+                if msg[0] == "resync" and retries[r] < self.cfg.metadata_retries:
+                    retries[r] += 1
+                    self.resyncs += 1
+                    self._start(r, tables[r], rows[r], return_logits)
+                    continue
+                del retries[r]
+                if msg[0] == "ok":
+                    outputs.extend(msg[1])
+                    self._records.extend(msg[2])
+                elif msg[0] == "resync":
+                    errors.append((False, f"instance {r}: routing table undeliverable ({msg[1]})"))
+                else:
+                    errors.append((msg[2], f"instance {r}: {msg[1]}"))
         if errors:
             real = [text for is_timeout, text in errors if not is_timeout] or [errors[0][1]]
             raise InstanceFailure(f"decode iteration failed: {real[0]}")
         return outputs
+
+    def _start(self, r: int, table: np.ndarray, rows: dict[int, RowInput], return_logits: bool) -> None:
+        """Push instance r's routing table (new sequence number) and tell it to run the iteration."""
+        self._seqs[r] += 1
+        faults = self._faults.get(r)
+        if faults:
+            FaultySender(self._senders[r]).push(self._seqs[r], table.tobytes(), fault=faults.pop(0))
+        else:
+            self._senders[r].push(self._seqs[r], table.tobytes())
+        self._conns[r].send(("run", self._seqs[r], rows, return_logits))
+
+    def inject_metadata_fault(self, instance: int, fault: Fault) -> None:
+        """Fault injection (tests): the next routing-table push to `instance` is dropped/corrupted/torn."""
+        self._faults.setdefault(instance, []).append(fault)
 
     def timing_records(self) -> list[PhaseRecord]:
         records, self._records = self._records, []
