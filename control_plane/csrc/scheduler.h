@@ -7,6 +7,7 @@
 //  - only multi-shard requests take part in MoE rebalancing, ordered by a stable counting sort;
 //  - every shard keeps its frames contiguous, so lowering memcpy's block tables into pooled output buffers.
 #pragma once
+#include <algorithm>
 #include <climits>
 #include <cstdint>
 #include <memory>
@@ -32,6 +33,8 @@ struct InvariantError : std::runtime_error {
 struct UnknownHandle {
   int64_t handle;
 };
+
+inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 enum Policy : int { kNanoCP, kLeastBatch, kLeastCache, kRoundRobin, kUniformCP, kMedha, kCsps };
 enum Status : int8_t { kWaiting = 0, kRunning = 1, kFree = -1 };
@@ -139,16 +142,22 @@ class SchedulerCore {
   int32_t new_slot();
   void delete_request(int32_t slot);
   void compact_running();
-  // Batch passes touch requests in batch order, i.e. scattered slots: fetch the request kFar entries ahead and the
-  // MoE shard (and its first frames) of the one kFar/2 ahead, whose request should have arrived by now.
+  // Batch passes touch requests in batch order, i.e. scattered slots. The growth pass needs one request line
+  // (fetched kFar ahead); lowering also reads every shard's frames, fetched kFar / 2 ahead once the request line is
+  // in (a short request's frame list is a few lines; a long one is streamed by the hardware prefetcher).
+  static constexpr size_t kFar = 16;
   void prefetch_request(size_t k) const {
-    constexpr size_t kFar = 16;
     if (k + kFar < running_.size()) __builtin_prefetch(&reqs_[running_[k + kFar]]);
-    if (k + kFar / 2 < running_.size()) {
-      const Request& r = reqs_[running_[k + kFar / 2]];
-      const Shard& s = r.shard(r.moe_shard);
-      __builtin_prefetch(&s);
-      __builtin_prefetch(s.frames.data());
+  }
+  void prefetch_frames(size_t k) const {
+    prefetch_request(k);
+    if (k + kFar / 2 >= running_.size()) return;
+    const Request& r = reqs_[running_[k + kFar / 2]];
+    for (int32_t j = 0; j < r.nshards; ++j) {
+      const Shard& s = r.shard(j);
+      const char* p = reinterpret_cast<const char*>(s.frames.data());
+      const size_t bytes = std::min<size_t>(s.frames.size() * sizeof(int32_t), 512);
+      for (size_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + off);
     }
   }
   void remove_running(int32_t slot);

@@ -1,0 +1,88 @@
+// SchedulerCore::check_invariants: reference.py check_invariants (loads, pages owned once, waiting/running partition)
+// plus the C++-only indexes (admission-order index, decode-budget list, multi-shard list, node and remote counters).
+#include <unordered_set>
+
+#include "scheduler.h"
+
+namespace nanocp::sched {
+
+void SchedulerCore::check_invariants() {
+  auto require = [](bool ok, const std::string& what) {
+    if (!ok) throw InvariantError(what);
+  };
+  compact_running();
+  const int n = shape_.num_instances;
+  const int64_t page = shape_.page_size;
+  std::vector<int64_t> kv(n, 0), batch(n, 0), shards(n, 0), remote(n, 0), node(shape_.num_nodes, 0);
+  std::vector<int64_t> used(n, 0);
+  std::vector<std::vector<char>> frame_seen(n, std::vector<char>(shape_.frames_per_instance, 0));
+  int64_t multi_shard = 0;
+  require(running_seq_.size() == running_.size(), "batch admission-order index out of date");
+  for (size_t g = 0; g < running_.size(); ++g) {
+    const int32_t slot = running_[g];
+    const Request& r = reqs_[slot];
+    require(r.status == kRunning, "batch holds a request that is not running");
+    require(running_seq_[g] == r.admit_seq, "batch admission-order index out of date");
+    require(g == 0 || running_seq_[g - 1] < r.admit_seq, "batch is not in admission order");
+    require(r.nshards >= 1 && r.moe_shard >= 0 && r.moe_shard < r.nshards && r.shard(r.moe_shard).instance == r.moe,
+            "MoE instance must hold a shard");
+    batch[r.moe] += 1;
+    node[r.moe / shape_.instances_per_node] += 1;
+    remote[r.moe] += r.nshards - 1;
+    multi_shard += r.nshards >= 2;
+    for (int32_t k = 0; k < r.nshards; ++k) {
+      const Shard& s = r.shard(k);
+      for (int32_t j = 0; j < k; ++j) require(r.shard(j).instance != s.instance, "two shards on one instance");
+      require(s.tokens > 0 && int64_t(s.frames.size()) == (s.tokens + page - 1) / page, "shard pages != tokens");
+      kv[s.instance] += s.tokens;
+      shards[s.instance] += 1;
+      for (int32_t f : s.frames) {
+        require(f >= 0 && f < shape_.frames_per_instance, "frame id out of range");
+        require(!frame_seen[s.instance][f], "page (" + std::to_string(s.instance) + ", " + std::to_string(f) +
+                                                ") owned twice");
+        frame_seen[s.instance][f] = 1;
+        used[s.instance] += 1;
+      }
+    }
+    require(r.due_at == r.max_new_tokens - 2 - r.decode_base, "decode budget out of date");
+    // due_ must name every request that is out of decode budget at the next step
+    if (decode_steps(r) >= r.max_new_tokens - 1) {
+      bool listed = false;
+      for (const Ref& e : due_) listed |= e.slot == slot && e.uid == r.uid;
+      require(listed, "a request out of decode budget is missing from the finish list");
+    }
+  }
+  require(kv == kv_tokens_ && batch == moe_batch_ && shards == num_shards_, "per-instance load counters out of date");
+  require(remote == remote_out_ && node == node_batch_, "remote-shard / node counters out of date");
+  for (int i = 0; i < n; ++i) {
+    require(used[i] + pages_.free_frames(i) == shape_.frames_per_instance, "used + free != frames");
+    for (int32_t f : pages_.free_stack(i)) {
+      require(f >= 0 && f < shape_.frames_per_instance && !frame_seen[i][f], "a free frame is also owned or listed twice");
+      frame_seen[i][f] = 1;
+    }
+  }
+  // waiting and running partition the live requests
+  int64_t live_waiting = 0, live = 0;
+  std::unordered_set<int32_t> queued;
+  for (const Ref& e : waiting_) {
+    const Request& r = reqs_[e.slot];
+    if (r.uid != e.uid || r.status != kWaiting) continue;
+    require(queued.insert(e.slot).second, "request queued twice");
+    require(r.nshards == 0 && r.moe == -1, "waiting request holds KV");
+    ++live_waiting;
+  }
+  for (const Request& r : reqs_) live += r.status != kFree;
+  require(live_waiting == num_waiting_, "num_waiting out of date");
+  require(live == int64_t(running_.size()) + num_waiting_, "waiting and running do not cover the requests");
+  require(int64_t(slot_of_handle_.size()) == live, "handle map out of date");
+  if (policy_ == kNanoCP) {
+    int64_t listed = 0;
+    for (const MultiRef& e : multi_) {
+      const Request& r = reqs_[e.slot];
+      listed += r.status == kRunning && r.admit_seq == e.admit_seq;
+    }
+    require(listed == multi_shard, "multi-shard list out of date");
+  }
+}
+
+}  // namespace nanocp::sched
