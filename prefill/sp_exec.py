@@ -204,6 +204,11 @@ class SpPrefillExecutor:
         self.requests: dict[str, _RequestState] = {}
         self._seq = 0
 
+    def close(self) -> None:
+        for inst in self.instances:
+            inst.fabric.close()
+        self.requests.clear()
+
     # ------------------------------------------------------------------ requests
 
     def start(self, rid: str, tokens: torch.Tensor | Sequence[int]) -> None:
