@@ -8,10 +8,16 @@ Per layer, for the iteration's routing table (control_plane/lowering.py):
   4. LSE merge of all partials of the local requests, W_UV + o_proj, residual;
   5. FFN: dense MLP, or MoE gate -> dispatch -> local experts -> weighted combine (+ shared expert).
 Every instance runs every layer (the MoE all-to-all is a barrier), also with an empty batch.
+
+Two paths run the same phases: the eager path (default) sizes everything to the iteration; the graph path
+(`graphs=GraphEngine`, data_plane/graph_runner.py) pads the iteration to the smallest covering bucket and runs the
+phases between exchanges on the bucket's static buffers (CUDA graphs on GPU). A shape no bucket covers runs
+eagerly, with a GraphFallbackWarning.
 """
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -20,6 +26,7 @@ from nanocp.comm.fabric import Fabric
 from nanocp.comm.moe_dispatch import LowLatencyDispatcher
 from nanocp.comm.routing import RoutingBackend
 from nanocp.control_plane.lowering import RoutingTables
+from nanocp.graphs import GraphEngine, GraphFallbackWarning
 from nanocp.models import (
     DeepseekV3Weights,
     dense_mlp,
@@ -29,12 +36,13 @@ from nanocp.models import (
     merge_attention_partials,
     mla_decode_output,
     mla_decode_qkv,
-    mla_paged_attention_with_lse,
     moe_gate,
     post_attention_norm,
     shared_expert,
 )
 
+from .backends import Backends
+from .graph_runner import GraphRunner, execution_shape
 from .kv_pool import PagedKVPool
 from .sampling import SamplingParams, sample_token
 from .timing import TimingLog
@@ -83,6 +91,8 @@ class DecodeInstance:
         limits: InstanceLimits,
         timeout_s: float = 30.0,
         timing: TimingLog | None = None,
+        graphs: GraphEngine | None = None,
+        backends: Backends | None = None,
     ) -> None:
         c = model.config
         self.rank = rank
@@ -93,6 +103,7 @@ class DecodeInstance:
         self.timeout_s = timeout_s
         self.timing = timing or TimingLog(enabled=False)
         dtype = model.embed_tokens.dtype
+        self.backends = backends or Backends.detect(model.embed_tokens.device, pool.page_size, dtype)
         heads, dqk, dv = c.num_attention_heads, c.kv_cache_dim, c.kv_lora_rank
         # Registration order is collective: every instance builds the same buffers in the same order.
         self.q_route = RoutingBackend(fabric, "q", max(1, limits.max_q_recv), (heads, dqk), dtype, timeout_s)
@@ -102,7 +113,8 @@ class DecodeInstance:
         )
         self.dispatcher = None
         if any(layer.moe is not None for layer in model.layers):
-            self.dispatcher = LowLatencyDispatcher(
+            make_dispatcher = self.backends.dispatcher or LowLatencyDispatcher
+            self.dispatcher = make_dispatcher(
                 fabric, c.n_routed_experts, c.hidden_size, limits.max_moe_batch, dtype, "moe", timeout_s
             )
             lx = self.dispatcher.local_experts
@@ -112,6 +124,8 @@ class DecodeInstance:
                 raise ValueError(f"instance {rank} must hold experts {sorted(missing)}")
         self._seq = 0
         self._expert_out: torch.Tensor | None = None
+        self.graphs = graphs
+        self._graph_runner = GraphRunner(self, graphs) if graphs is not None else None
 
     # ------------------------------------------------------------------ one decode iteration
 
@@ -149,6 +163,17 @@ class DecodeInstance:
             q_recv=shape.q_recv,
             res_recv=shape.res_recv,
         )
+        if self._graph_runner is not None:
+            bucket = self.graphs.pick_bucket(execution_shape(table))
+            if bucket is not None:
+                with torch.no_grad():
+                    return (yield from self._graph_runner.iteration(table, rows, return_logits, bucket, ctx))
+            warnings.warn(
+                f"instance {self.rank}: iteration shape {execution_shape(table)} fits no graph bucket "
+                f"(largest {self.graphs.family.upper}); running it eagerly",
+                GraphFallbackWarning,
+                stacklevel=2,
+            )
         step = _StepTables.build(table, moe, shards, self.pool.page_size)
         device = self.model.embed_tokens.device
         tokens = torch.tensor([rows[int(b)].token for b in moe[:, 0]], dtype=torch.int64, device=device)
@@ -192,7 +217,7 @@ class DecodeInstance:
                 q_shard[step.local_shard_idx] = q_latent[step.local_shard_moe_row]
             if len(step.remote_shard_idx):
                 q_shard[step.remote_shard_idx] = q_recv[step.remote_shard_q_row]
-            o, lse = mla_paged_attention_with_lse(
+            o, lse = self.backends.attention(
                 q_shard, self.pool.kv[i], step.block_table, step.shard_lens, self.model.softmax_scale, c.kv_lora_rank
             )  # [s, H, kv_lora], [s, H]
         with timing.phase("res_route", i, ctx):
@@ -226,7 +251,7 @@ class DecodeInstance:
                 self._expert_out = torch.empty_like(recv_x)  # [local_experts, ranks * max, D]
             y = self._expert_out
             for local, expert_id in enumerate(self.local_experts):
-                rows = _slab_rows(handle.recv_layout[:, local], dispatcher.max_tokens)  # received rows
+                rows = _expert_rows(handle, local, dispatcher.max_tokens)  # received rows
                 if len(rows):
                     y[local, rows] = expert_ffn(layer.moe.experts[expert_id], recv_x[local, rows])
         with timing.phase("combine", i, ctx):
@@ -238,9 +263,14 @@ class DecodeInstance:
     def _sample(self, h: torch.Tensor, moe: torch.Tensor, rows: dict[int, RowInput], keep: bool) -> list[RowOutput]:
         if not len(h):
             return []
-        step_logits = logits(self.model, h)  # [m, vocab]
+        return self._sample_rows(logits(self.model, h), moe[:, 0].tolist(), rows, keep)
+
+    def _sample_rows(
+        self, step_logits: torch.Tensor, batch_indices: list[int], rows: dict[int, RowInput], keep: bool
+    ) -> list[RowOutput]:
+        """step_logits [m, vocab], one row per MoE row (batch_indices in the same order) -> sampled rows."""
         out = []
-        for r, batch_index in enumerate(moe[:, 0].tolist()):
+        for r, batch_index in enumerate(batch_indices):
             inp = rows[batch_index]
             token = sample_token(step_logits[r], inp.params, inp.output_index, inp.fallback_seed)
             out.append(RowOutput(batch_index, token, step_logits[r].clone() if keep else None))
@@ -249,6 +279,13 @@ class DecodeInstance:
     def _next_seq(self) -> int:
         self._seq += 1
         return self._seq
+
+
+def _expert_rows(handle, local: int, max_tokens: int) -> torch.Tensor:
+    """Rows of local expert `local`'s receive slab that hold tokens: the handle says so itself when its dispatcher
+    packs them differently (DeepEP packs them at the front), else the reference layout."""
+    own = getattr(handle, "expert_rows", None)
+    return own(local) if own is not None else _slab_rows(handle.recv_layout[:, local], max_tokens)
 
 
 def _slab_rows(counts: torch.Tensor, max_tokens: int) -> torch.Tensor:

@@ -6,7 +6,7 @@
 """
 
 from .buckets import DIMS, BucketFamily, BucketShape, geometric_ladder
-from .engine import BucketContext, GraphEngine, GraphReport, Piece
+from .engine import BucketContext, GraphEngine, GraphFallbackWarning, GraphReport, Piece
 from .pool import DEFAULT_ALIGN, FieldSpec, PoolLayout, StaticPool
 
 __all__ = [
@@ -17,6 +17,7 @@ __all__ = [
     "BucketShape",
     "FieldSpec",
     "GraphEngine",
+    "GraphFallbackWarning",
     "GraphReport",
     "Piece",
     "PoolLayout",

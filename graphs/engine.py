@@ -23,6 +23,10 @@ from .pool import DEFAULT_ALIGN, FieldSpec, PoolLayout, StaticPool
 Piece = Callable[["BucketContext"], None]
 
 
+class GraphFallbackWarning(UserWarning):
+    """An iteration's shape fits no bucket: it runs eagerly (correct, without the graphs' benefits)."""
+
+
 @dataclass
 class BucketContext:
     """One bucket's views: `tensors` on the engine's device, `staging` (injected fields only) on the host."""
