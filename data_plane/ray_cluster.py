@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 import traceback
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -88,11 +89,17 @@ class InstanceActor:
             s.bind(("", 0))
             return s.getsockname()[1]
 
-    def start(self, fabric: str, arg: ShmFabricInfo | str, single_host: bool) -> None:
-        """Join the fabric (collective: every actor starts concurrently) and build the instance."""
+    def start(self, fabric: str, arg: ShmFabricInfo | str, single_host: bool) -> str:
+        """Join the fabric (collective: every actor starts concurrently) and build the instance.
+
+        Returns "ok", or "retry" when the shared-memory fabric saw a peer's segment before the peer had sized
+        it (ShmFabric's attach raises ValueError on an empty segment): the driver then starts over."""
         cfg = self.cfg
         if fabric == "shm":
-            self.fabric = ShmFabric(arg, self.rank)
+            try:
+                self.fabric = ShmFabric(arg, self.rank)
+            except ValueError:
+                return "retry"
         else:
             import torch.distributed as dist
 
@@ -110,6 +117,7 @@ class InstanceActor:
             c.num_hidden_layers, cfg.frames_per_instance, cfg.page_size, c.kv_cache_dim, cfg.dtype, shared=False
         )
         self.instance = build_instance(cfg, self.rank, self.fabric, pool)
+        return "ok"
 
     def run_iteration(self, table: np.ndarray, rows: dict[int, RowInput], return_logits: bool) -> tuple:
         """("ok", outputs, timing records) or ("error", text, is_fabric_timeout); the actor keeps serving."""
@@ -140,10 +148,13 @@ class _Handles:
     groups: list = field(default_factory=list)  # placement groups, one per node group
     actors: list = field(default_factory=list)
     shm: ShmFabricInfo | None = None
+    shm_node: str = ""  # node whose /dev/shm holds the session
 
 
 class RayCluster:
     """N Ray actors; needs `ray.init(...)` to have been called (the deploy command does it)."""
+
+    START_ATTEMPTS = 3  # only the shared-memory attach race (see InstanceActor.start) is retried
 
     def __init__(self, cfg: ClusterConfig, placement: RayPlacement | None = None) -> None:
         import ray
@@ -157,18 +168,28 @@ class RayCluster:
         self._h = _Handles()
         self._records: list[PhaseRecord] = []
         self._closed = False
+        self.locations: list[ActorLocation] = []
+        self.fabric = ""
         try:
-            self._place()
-            self.locations: list[ActorLocation] = ray.get(
-                [a.location.remote() for a in self._h.actors], timeout=placement.start_timeout_s
-            )
-            self.fabric = self._choose_fabric()
-            self._start_instances()
+            for _ in range(self.START_ATTEMPTS):
+                if self._start():
+                    break
+                self._teardown()
+            else:
+                raise InstanceFailure(f"shared-memory fabric did not start in {self.START_ATTEMPTS} attempts")
         except BaseException:
             self.close()
             raise
 
     # ---- startup ------------------------------------------------------------------------------------------
+
+    def _start(self) -> bool:
+        import ray
+
+        self._place()
+        self.locations = ray.get([a.location.remote() for a in self._h.actors], timeout=self.placement.start_timeout_s)
+        self.fabric = self._choose_fabric()
+        return self._start_instances()
 
     def _place(self) -> None:
         import ray
@@ -191,31 +212,43 @@ class RayCluster:
             options = dict(num_cpus=p.cpus_per_instance, num_gpus=p.gpus_per_instance, scheduling_strategy=strategy)
             self._h.actors.append(actor_cls.options(**options).remote(self.cfg, rank))
 
+    @property
+    def single_host(self) -> bool:
+        return len({loc.node_id for loc in self.locations}) == 1
+
     def _choose_fabric(self) -> str:
-        single_host = len({loc.node_id for loc in self.locations}) == 1
-        if self.placement.fabric == "shm" and not single_host:
+        if self.placement.fabric == "shm" and not self.single_host:
             raise ValueError("fabric 'shm' needs every instance on one host; use 'dist' or 'auto'")
         if self.placement.fabric == "auto":
-            return "shm" if single_host else "dist"
+            return "shm" if self.single_host else "dist"
         return self.placement.fabric
 
-    def _start_instances(self) -> None:
+    def _start_instances(self) -> bool:
+        """Start every instance; False if the shared-memory fabric must be set up again."""
         import ray
 
         actors = self._h.actors
-        single_host = len({loc.node_id for loc in self.locations}) == 1
         if self.fabric == "shm":
             self._h.shm = ShmFabric.new_session(self.cfg.num_instances, NUM_FLAGS)
+            self._h.shm_node = self.locations[0].node_id
             arg = self._h.shm
         else:
             port = ray.get(actors[0].free_port.remote())
-            host = "127.0.0.1" if single_host else self.locations[0].ip
+            host = "127.0.0.1" if self.single_host else self.locations[0].ip
             arg = f"tcp://{host}:{port}"
-        refs = [a.start.remote(self.fabric, arg, single_host) for a in actors]
-        try:
-            ray.get(refs, timeout=self.placement.start_timeout_s)
-        except ray.exceptions.RayError as e:
-            raise InstanceFailure(f"decode instances failed to start: {e}") from e
+        pending = [a.start.remote(self.fabric, arg, self.single_host) for a in actors]
+        deadline = time.monotonic() + self.placement.start_timeout_s
+        while pending:
+            done, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+            if not done:
+                raise InstanceFailure(f"decode instances did not start within {self.placement.start_timeout_s:.0f} s")
+            try:
+                status = ray.get(done[0])
+            except ray.exceptions.RayError as e:
+                raise InstanceFailure(f"decode instances failed to start: {e}") from e
+            if status == "retry":
+                return False
+        return True
 
     # ---- the cluster interface ----------------------------------------------------------------------------
 
@@ -265,19 +298,36 @@ class RayCluster:
             return
         self._closed = True
         import ray
-        from ray.util.placement_group import remove_placement_group
 
-        actors, self._h.actors = self._h.actors, []
-        if actors:
+        if self._h.actors:
             try:
-                ray.get([a.close.remote() for a in actors], timeout=timeout_s)
+                ray.get([a.close.remote() for a in self._h.actors], timeout=timeout_s)
             except Exception:  # noqa: BLE001 - a dead actor cannot close; it is killed below anyway
                 traceback.print_exc()
-        for a in actors:
+        self._teardown()
+
+    def _teardown(self) -> None:
+        """Kill the actors, remove the placement groups, unlink what is left of a shared-memory session."""
+        import ray
+        from ray.util.placement_group import remove_placement_group
+
+        for a in self._h.actors:
             ray.kill(a, no_restart=True)
         for group in self._h.groups:
             remove_placement_group(group)
-        self._h.groups = []
         if self._h.shm is not None:
-            ShmFabric.cleanup(self._h.shm)
-            self._h.shm = None
+            _cleanup_shm(self._h.shm, self._h.shm_node)
+        self._h = _Handles()
+
+
+def _cleanup_shm(info: ShmFabricInfo, node_id: str) -> None:
+    """ShmFabric.cleanup on the node that held the session (here, or through a task pinned to that node)."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    if ray.get_runtime_context().get_node_id() == node_id:
+        ShmFabric.cleanup(info)
+        return
+    task = ray.remote(num_cpus=0)(ShmFabric.cleanup)
+    strategy = NodeAffinitySchedulingStrategy(node_id, soft=False)
+    ray.get(task.options(scheduling_strategy=strategy).remote(info), timeout=60)
