@@ -1,4 +1,4 @@
-// SchedulerCore: requests in and out, one decode iteration (finish, rebalance, grow, admit), placement policies.
+// SchedulerCore: construction, requests in and out, one decode iteration (finish, rebalance, grow, admit, commit).
 // Every decision mirrors control_plane/reference.py; comments name the reference function each part ports.
 #include <algorithm>
 #include <chrono>
