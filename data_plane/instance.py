@@ -212,7 +212,7 @@ class DecodeInstance:
         with timing.phase("attention", i, ctx):
             q_recv = self.q_route.recv
             # Shard queries: local ones from this instance's rows, remote ones from the receive buffer.
-            q_shard = torch.empty(len(step.shard_lens), *q_latent.shape[1:], dtype=q_latent.dtype)
+            q_shard = q_latent.new_empty(len(step.shard_lens), *q_latent.shape[1:])
             if len(step.local_shard_idx):
                 q_shard[step.local_shard_idx] = q_latent[step.local_shard_moe_row]
             if len(step.remote_shard_idx):

@@ -52,13 +52,17 @@ def models():
 class Cluster:
     """N instances on an in-process fabric, driven cooperatively (like InlineCluster)."""
 
-    def __init__(self, models, family: BucketFamily | None = None, graphs: bool = False):
-        fabrics = InProcessFabric.create(N, num_flags=64)
+    def __init__(self, models, family: BucketFamily | None = None, graphs: bool = False, device: str = "cpu"):
+        fabrics = InProcessFabric.create(N, num_flags=64, device=device)
+        config = models[0].config
         # one scratch frame beyond the scheduler's frames
-        self.pools = [PagedKVPool.allocate(len(m.layers), FRAMES + 1, PAGE, CONFIG.kv_cache_dim, torch.float32)
-                      for m in models]  # fmt: skip
+        self.pools = [
+            PagedKVPool(torch.zeros(len(m.layers), FRAMES + 1, PAGE, config.kv_cache_dim, device=device))
+            for m in models
+        ]
         self.engines = [
-            build_graph_engine(CONFIG, LIMITS, N, FRAMES + 1, PAGE, family=family) if graphs else None for _ in models
+            build_graph_engine(config, LIMITS, N, FRAMES + 1, PAGE, family=family, device=device) if graphs else None
+            for _ in models
         ]
 
         def build(r: int) -> DecodeInstance:
@@ -120,7 +124,7 @@ def rows_for(plan, rnd: random.Random):
 def fill_random(pools, seed: int) -> None:
     g = torch.Generator().manual_seed(seed)
     for pool in pools:
-        pool.kv.copy_(torch.randn(pool.kv.shape, generator=g))
+        pool.kv.copy_(torch.randn(pool.kv.shape, generator=g).to(pool.kv.device))
 
 
 def assert_rows_close(graph_out, eager_out):
