@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from .planner import CdspPlanner, CoreCdspPlanner, PlannerError
@@ -225,9 +226,14 @@ class PrefillScheduler:
         self.running.append(job)
 
 
-def run_to_completion(scheduler: PrefillScheduler, jobs: list[PrefillJob]) -> list[ChunkDispatch]:
+def run_to_completion(
+    scheduler: PrefillScheduler,
+    jobs: list[PrefillJob],
+    before_submit: Callable[[PrefillScheduler, PrefillJob], None] | None = None,
+) -> list[ChunkDispatch]:
     """Submit jobs at their arrival times and advance the scheduler until every one is done; the dispatches in
-    commit order (each request's chunks in order)."""
+    commit order (each request's chunks in order). `before_submit` runs at each arrival (e.g. to switch the
+    planner to the improvement rate an arrival-rate monitor picks)."""
     pending = sorted(jobs, key=lambda j: j.arrival)
     out, i = [], 0
     while i < len(pending) or not scheduler.idle:
@@ -236,6 +242,8 @@ def run_to_completion(scheduler: PrefillScheduler, jobs: list[PrefillJob]) -> li
         if math.isinf(now):
             raise QueuePolicyError(f"{len(scheduler.waiting)} requests wait but nothing can run or finish")
         while i < len(pending) and pending[i].arrival <= now:
+            if before_submit is not None:
+                before_submit(scheduler, pending[i])
             scheduler.submit(pending[i], now)
             i += 1
         out.extend(scheduler.poll(now))
