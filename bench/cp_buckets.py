@@ -39,7 +39,7 @@ def dcp_attention_latency(profile: LatencyProfile, length: int, degree: int, ins
     node_of = np.zeros(n, dtype=np.int64)
     routes = RouteCounts.from_pairs([(0, i) for i in range(1, degree)], n)
     comm = float(np.max(profile.cp_comm_time(routes, node_of))) if degree > 1 else 0.0
-    merge = float(profile.merge_time(degree, 1, n)) if degree > 1 else 0.0
+    merge = float(profile.merge_time(degree, num_instances=n)) if degree > 1 else 0.0
     return attention + comm + merge
 
 
