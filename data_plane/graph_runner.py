@@ -91,6 +91,15 @@ def decode_fields(
     return fields
 
 
+def piece_names(config: ModelConfig) -> list[str]:
+    """The pieces of one iteration, in order: the segments between exchanges (one graph each per bucket)."""
+    names = ["embed"]
+    for i in range(config.num_hidden_layers):
+        names += [f"project.{i}", f"attend.{i}", f"merge.{i}"]
+        names += [f"gate.{i}", f"experts.{i}", f"moe_out.{i}"] if config.is_moe_layer(i) else [f"dense.{i}"]
+    return names + ["logits"]
+
+
 def default_family(limits: InstanceLimits, max_blocks: int, growth: int = 2) -> BucketFamily:
     """Geometric ladders up to the instance's limits (received rows bounded by both receive buffers)."""
     remote = min(limits.max_q_recv, limits.max_res_recv)
@@ -220,6 +229,12 @@ class GraphRunner:
         self.inst = instance
         self.engine = engine
         pool = instance.pool
+        model_device = instance.model.embed_tokens.device
+        if engine.device.type != model_device.type or pool.kv.device.type != model_device.type:
+            raise ValueError(
+                f"graph engine on {engine.device}, KV pool on {pool.kv.device}, model on {model_device}: "
+                "all must be on one device"
+            )
         self.page_size = pool.page_size
         self.scratch_frame = pool.frames - 1
         needed = {f.name for f in decode_fields(instance.model.config, instance.fabric.world_size, 1, torch.float32)}
@@ -236,20 +251,19 @@ class GraphRunner:
         engine.register_pieces(self.pieces)
 
     def _make_pieces(self) -> dict:
-        model = self.inst.model
-        pieces = {"embed": self._embed}
-        for layer in model.layers:
-            i = layer.index
-            pieces[f"project.{i}"] = lambda ctx, layer=layer: self._project(ctx, layer)
-            pieces[f"attend.{i}"] = lambda ctx, layer=layer: self._attend(ctx, layer)
-            pieces[f"merge.{i}"] = lambda ctx, layer=layer: self._merge(ctx, layer)
-            if layer.moe is None:
-                pieces[f"dense.{i}"] = lambda ctx, layer=layer: self._dense(ctx, layer)
+        """name -> piece, for the names of `piece_names` (a piece's name is its kind and layer)."""
+        layers = {layer.index: layer for layer in self.inst.model.layers}
+        step = {
+            "project": self._project, "attend": self._attend, "merge": self._merge, "dense": self._dense,
+            "gate": self._gate, "experts": self._experts, "moe_out": self._moe_out,
+        }  # fmt: skip
+        pieces = {}
+        for name in piece_names(self.inst.model.config):
+            kind, _, index = name.partition(".")
+            if not index:
+                pieces[name] = self._embed if kind == "embed" else self._logits
             else:
-                pieces[f"gate.{i}"] = lambda ctx, layer=layer: self._gate(ctx, layer)
-                pieces[f"experts.{i}"] = lambda ctx, layer=layer: self._experts(ctx, layer)
-                pieces[f"moe_out.{i}"] = lambda ctx, layer=layer: self._moe_out(ctx, layer)
-        pieces["logits"] = self._logits
+                pieces[name] = lambda ctx, fn=step[kind], layer=layers[int(index)]: fn(ctx, layer)
         return pieces
 
     # ---- pieces: functions of the context only ---------------------------------------------------------
@@ -360,3 +374,126 @@ class GraphRunner:
 
     def _run(self, ctx: BucketContext, name: str) -> None:
         self.engine.run(ctx, name, self.pieces[name])
+
+
+# ---- pool calculator ------------------------------------------------------------------------------------------
+
+
+@dataclass
+class PoolPlan:
+    """What an instance's graph engine would allocate (computed, nothing allocated)."""
+
+    buckets: int
+    pieces_per_bucket: int
+    piecewise_graphs: int  # buckets x pieces: this implementation's CUDA graphs (exchanges between pieces)
+    pool_bytes: int  # the shared static device pool
+    staging_bytes: int  # the host staging copy of the injected fields (pinned)
+    field_bytes: dict[str, int]
+
+
+def plan_pool(
+    config: ModelConfig,
+    limits: InstanceLimits,
+    num_instances: int,
+    pool_frames: int,
+    page_size: int,
+    family: BucketFamily,
+    dtype: torch.dtype,
+) -> PoolPlan:
+    from nanocp.graphs import PoolLayout
+
+    fields = decode_fields(config, num_instances, limits.max_moe_batch, dtype, pool_frames - 1, page_size)
+    upper = family.upper.sizes()
+    layout = PoolLayout(fields, upper)
+    pieces = len(piece_names(config))
+    return PoolPlan(
+        buckets=len(family),
+        pieces_per_bucket=pieces,
+        piecewise_graphs=len(family) * pieces,
+        pool_bytes=layout.nbytes,
+        staging_bytes=PoolLayout([f for f in fields if f.injected], upper).nbytes,
+        field_bytes=layout.field_bytes(),
+    )
+
+
+DEEPSEEK_V3 = {  # the architecture-defining keys of DeepSeek-V3's config.json (the rest are HF defaults = V3's)
+    "architectures": ["DeepseekV3ForCausalLM"],
+    "model_type": "deepseek_v3",
+    "num_hidden_layers": 61,
+    "max_position_embeddings": 163840,
+    "rope_theta": 10000,
+    "rope_scaling": {"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096, "beta_fast": 32,
+                     "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0},
+    "torch_dtype": "bfloat16",
+}  # fmt: skip
+
+
+def deepseek_v3_pool_plan(
+    num_instances: int = 32,
+    max_moe_batch: int = 256,
+    max_remote: int = 64,
+    kv_tokens_per_instance: int = 1 << 20,
+    moe_ladder: tuple[int, ...] = (4, 8, 16, 32, 64, 128, 192, 256),
+    remote_ladder: tuple[int, ...] = (0, 16, 64),
+    blocks_ladder: tuple[int, ...] = (128, 16384),
+) -> tuple[dict, PoolPlan]:
+    """Our pool for DeepSeek-V3 on NanoCP's cluster shape (32 instances, pages of 64, bf16)."""
+    from .instance import InstanceLimits
+
+    config = ModelConfig.from_hf_dict(DEEPSEEK_V3)
+    page = 64
+    frames = kv_tokens_per_instance // page + 1  # + the scratch frame
+    limits = InstanceLimits(max_moe_batch, max_remote, max_remote)
+    family = BucketFamily.grid(moe_ladder, remote_ladder, blocks_ladder)
+    setup = dict(
+        model="DeepSeek-V3", instances=num_instances, max_moe_batch=max_moe_batch, max_remote_rows=max_remote,
+        kv_tokens_per_instance=kv_tokens_per_instance, page_size=page, dtype="bfloat16",
+        moe_ladder=list(moe_ladder), remote_ladder=list(remote_ladder), blocks_ladder=list(blocks_ladder),
+        upper_bucket=family.upper.sizes(),
+    )  # fmt: skip
+    return setup, plan_pool(config, limits, num_instances, frames, page, family, torch.bfloat16)
+
+
+def write_pool_results(out_stem: str) -> dict:
+    """bench/results/<name>.json and .md: our pool for DeepSeek-V3 next to NanoCP's reported figure."""
+    import json
+    from dataclasses import asdict
+    from pathlib import Path
+
+    setup, plan = deepseek_v3_pool_plan()
+    gib = 2**30
+    result = {"setup": setup, "plan": asdict(plan), "paper": {"graphs": 48, "graph_memory_gib": 5.32}}
+    Path(f"{out_stem}.json").write_text(json.dumps(result, indent=2) + "\n")
+    biggest = sorted(plan.field_bytes.items(), key=lambda kv: -kv[1])[:6]
+    lines = [
+        "# Graph engine pool for DeepSeek-V3 (computed, not measured)",
+        "",
+        f"Setup: {setup['instances']} instances, MoE batch <= {setup['max_moe_batch']}, received rows <= "
+        f"{setup['max_remote_rows']}, {setup['kv_tokens_per_instance']} KV tokens per instance in pages of 64, bf16.",
+        f"Bucket family: MoE batch {setup['moe_ladder']} x remote rows {setup['remote_ladder']} x block-table "
+        f"width {setup['blocks_ladder']} = **{plan.buckets} buckets**.",
+        "",
+        "| quantity | ours | NanoCP (paper, measured on H200) |",
+        "|---|---|---|",
+        f"| graphs per GPU | {plan.buckets} whole-iteration graphs (planned, device-side exchanges); "
+        f"{plan.piecewise_graphs} piecewise graphs as implemented ({plan.pieces_per_bucket} pieces per bucket) "
+        "| 48 |",
+        f"| static pool per GPU | {plan.pool_bytes / gib:.2f} GiB (+ {plan.staging_bytes / 2**20:.1f} MiB pinned "
+        "host staging) | 5.32 GiB total graph memory |",
+        "",
+        "Largest fields: " + ", ".join(f"`{n}` {b / 2**20:.0f} MiB" for n, b in biggest) + ".",
+        "",
+        "Not included in ours: the CUDA-graph private memory pool (intermediates inside pieces, shared by all",
+        "graphs), the fabric receive buffers (Q/Res, symmetric memory) and DeepEP's buffers. The paper's figure is",
+        "total graph memory, so the two are not the same quantity.",
+        "",
+        "Command: `python -m nanocp.data_plane.graph_runner bench/results/graphs_pool_deepseek_v3`",
+    ]
+    Path(f"{out_stem}.md").write_text("\n".join(lines) + "\n")
+    return result
+
+
+if __name__ == "__main__":
+    import sys
+
+    write_pool_results(sys.argv[1] if len(sys.argv) > 1 else "bench/results/graphs_pool_deepseek_v3")

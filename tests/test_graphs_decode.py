@@ -19,7 +19,13 @@ from nanocp.comm import InProcessFabric
 from nanocp.control_plane import ClusterSpec, CPBucketTable, GlobalScheduler
 from nanocp.control_plane.lowering import RoutingTables
 from nanocp.data_plane.cluster import experts_of
-from nanocp.data_plane.graph_runner import build_graph_engine, execution_shape
+from nanocp.data_plane.graph_runner import (
+    build_graph_engine,
+    deepseek_v3_pool_plan,
+    execution_shape,
+    piece_names,
+    plan_pool,
+)
 from nanocp.data_plane.instance import DecodeInstance, InstanceLimits, RowInput
 from nanocp.data_plane.kv_pool import PagedKVPool
 from nanocp.data_plane.sampling import SamplingParams
@@ -245,3 +251,13 @@ def test_graph_engine_refuses_limits_it_cannot_serve():
     with pytest.raises(ValueError, match="scratch frame"):
         build_graph_engine(CONFIG, LIMITS, N, 1, PAGE)
     assert np.all(np.diff([b.moe_batch for b in build_graph_engine(CONFIG, LIMITS, N, 9, PAGE).family]) >= 0)
+
+
+def test_pool_calculator_matches_the_allocated_engine():
+    engine = build_graph_engine(CONFIG, LIMITS, N, FRAMES + 1, PAGE)
+    plan = plan_pool(CONFIG, LIMITS, N, FRAMES + 1, PAGE, engine.family, torch.float32)
+    assert plan.pool_bytes == engine.report().pool_bytes and plan.staging_bytes == engine.report().staging_bytes
+    assert plan.buckets == len(engine.family) and plan.pieces_per_bucket == len(piece_names(CONFIG))
+    setup, v3 = deepseek_v3_pool_plan()
+    assert v3.buckets == 48 and setup["upper_bucket"]["moe_batch"] == 256
+    assert v3.pool_bytes == sum(-(-b // 256) * 256 for b in v3.field_bytes.values())

@@ -18,8 +18,10 @@ FLASHMLA_V_DIM = 512
 def flashmla_unavailable_reason(device: torch.device | str, page_size: int, dtype: torch.dtype) -> str | None:
     """Why FlashMLA cannot serve this instance (None when it can)."""
     device = torch.device(device)
-    if device.type != "cuda" or not torch.cuda.is_available():
-        return f"FlashMLA needs a CUDA device (instance device: {device})"
+    if not torch.cuda.is_available():
+        return "FlashMLA needs a CUDA GPU (none is available)"
+    if device.type != "cuda":
+        return f"FlashMLA runs on CUDA devices, the instance runs on {device}"
     major, minor = torch.cuda.get_device_capability(device)
     if major < 9:
         return f"FlashMLA needs SM90 or newer, the GPU is SM{major}{minor}"
