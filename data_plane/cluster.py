@@ -30,6 +30,7 @@ from nanocp.comm.shm_fabric import ShmFabric
 from nanocp.control_plane.lowering import RoutingTables
 from nanocp.models import load_config, load_model
 
+from .graph_runner import build_graph_engine
 from .instance import DecodeInstance, InstanceLimits, RowInput, RowOutput
 from .kv_pool import PagedKVPool
 from .timing import PhaseRecord, TimingLog
@@ -54,6 +55,7 @@ class ClusterConfig:
     table_capacity_bytes: int = 8 << 20  # metadata channel context buffer per instance (processes backend)
     metadata_timeout_s: float = 2.0  # an instance waits this long for its table before asking for a resend
     metadata_retries: int = 3
+    use_graphs: bool = False  # AOT graph engine: static buckets and pool (CUDA graphs on GPU, eager replay on CPU)
 
 
 def experts_of(rank: int, num_instances: int, num_experts: int) -> set[int]:
@@ -66,14 +68,23 @@ def build_instance(cfg: ClusterConfig, rank: int, fabric, pool: PagedKVPool) -> 
     experts = experts_of(rank, cfg.num_instances, config.n_routed_experts)
     model = load_model(cfg.model, expert_ids=experts, dtype=cfg.dtype)
     timing = TimingLog(enabled=cfg.timing)
-    return DecodeInstance(rank, model, pool, fabric, cfg.limits, cfg.timeout_s, timing)
+    graphs = None
+    if cfg.use_graphs:
+        graphs = build_graph_engine(config, cfg.limits, cfg.num_instances, pool.frames, cfg.page_size, cfg.dtype)
+    return DecodeInstance(rank, model, pool, fabric, cfg.limits, cfg.timeout_s, timing, graphs=graphs)
 
 
 def allocate_pools(cfg: ClusterConfig, shared: bool) -> list[PagedKVPool]:
     c = load_config(cfg.model)
     return [
         PagedKVPool.allocate(
-            c.num_hidden_layers, cfg.frames_per_instance, cfg.page_size, c.kv_cache_dim, cfg.dtype, shared
+            # The graph path keeps one scratch frame past the scheduler's frames for padding rows to write to.
+            c.num_hidden_layers,
+            cfg.frames_per_instance + (1 if cfg.use_graphs else 0),
+            cfg.page_size,
+            c.kv_cache_dim,
+            cfg.dtype,
+            shared,
         )
         for _ in range(cfg.num_instances)
     ]

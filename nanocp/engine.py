@@ -37,6 +37,7 @@ class EngineConfig:
     timeout_s: float = 30.0
     timing: bool = False
     metadata_timeout_s: float = 2.0  # processes backend: wait for a routing table before asking for a resend
+    use_graphs: bool = False  # AOT graph engine (buckets over the execution shape, one static pool)
     # Intra-op threads for torch in this process (None: leave torch's setting). Decode work here is many small
     # ops; OpenMP fan-out on them costs more than it gives, badly so when other processes share the cores.
     torch_threads: int | None = 1
@@ -137,6 +138,7 @@ class Engine:
             config.timeout_s,
             config.timing,
             metadata_timeout_s=config.metadata_timeout_s,
+            use_graphs=config.use_graphs,
         )
         self.cluster = make_cluster(config.backend, cluster_cfg)
         self.requests: dict[str, _Request] = {}

@@ -168,3 +168,14 @@ def test_bad_requests_are_rejected_without_harming_others():
             SamplingParams(top_p=0.0)
         out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=3, temperature=0.0))
         assert len(out[0].token_ids) == 3
+
+
+def test_graph_path_gives_the_same_tokens_as_eager():
+    prompts = random_prompts(4, seed=13, low=10, high=50)
+    params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+    kwargs = dict(decode_instances=4, cp_buckets=FORCE_CP, page_size=8, max_batch_per_instance=8)
+    with LLM("tiny", **kwargs) as llm:
+        eager = [o.token_ids for o in llm.generate(prompts, params)]
+    with LLM("tiny", use_graphs=True, **kwargs) as llm:
+        graphs = [o.token_ids for o in llm.generate(prompts, params)]
+    assert graphs == eager
