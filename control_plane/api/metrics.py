@@ -9,6 +9,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 PREFIX = "nanocp:"
+FINISH_REASONS = ("stop", "length", "abort", "error")
 
 TTFT_BUCKETS = (
     0.001,
@@ -135,6 +136,13 @@ class ServingMetrics:
             registry=r,
         )
         self.model_name = model_name
+        # Create every series now, so that a scrape shows zeros rather than missing metrics.
+        for metric in (self._running, self._waiting, self._kv_usage, self._ttft, self._itl, self._e2e):
+            metric.labels(model_name)
+        for metric in (self._prompt_tokens, self._generation_tokens, self._preemptions):
+            metric.labels(model_name)
+        for reason in FINISH_REASONS:
+            self._success.labels(model_name, reason)
 
     def set_load(self, running: int, waiting: int, kv_usage: float) -> None:
         self._running.labels(self.model_name).set(running)
