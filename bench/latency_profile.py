@@ -10,13 +10,17 @@ Phases and the feature each coefficient multiplies (time per layer unless noted;
 | phase | features | feature meaning |
 |---|---|---|
 | attention | kv_tokens, shards | KV tokens on the instance; (request, shard) rows on it |
-| merge | partials | remote partial results the instance merges (LSE merge; const only if partials > 0) |
+| merge | partials, batch | remote partials merged at the MoE instance (CP cost); local MoE batch (output side) |
 | dense | batch | local MoE batch (attention-side projections, norms, RoPE) - every layer |
 | shared_expert | batch | local MoE batch (gate + shared expert) - MoE layers |
 | dense_mlp | batch | local MoE batch (dense FFN) - dense layers |
 | expert | batch | mean MoE batch over instances (each receives mean x top_k rows) - MoE layers |
 | moe_dispatch, moe_combine | batch | max MoE batch over instances (lock-step all-to-all) - MoE layers |
 | iteration | batch | local MoE batch; once per iteration (lm_head, sampling) |
+| host (optional) | batch | running requests of the cluster; once per iteration, serial (driver: scheduling, lowering) |
+
+The merge's const and batch terms apply to every instance and layer (0 in the GPU profiles, whose output projection
+is in `dense`; the CPU data plane's merge phase also runs W_UV and o_proj).
 
 Coefficients are >= 0. A phase is either a coefficient dict or {"by_ep": {"<EP size>": coefficients}}; between
 tabulated EP sizes each coefficient is interpolated linearly in log2(EP), outside the table the nearest entry is used.
@@ -29,9 +33,21 @@ One iteration (the all-to-all is a barrier, so every instance waits for the slow
     pre_i   = attention_i + cp_i + merge_i + dense_i + shared_expert_i             (MoE layer, before dispatch)
     dlayer_i = attention_i + cp_i + merge_i + dense_i + dense_mlp_i                (dense layer)
     a2a     = dispatch(max batch) + expert(mean batch) + combine(max batch)
-    T = max_i(n_dense * dlayer_i + pre_i) + (n_moe - 1) * max_i(pre_i) + n_moe * a2a + max_i(iteration_i)
-(cp_i here includes the merge.) The ideal bound charges the same formulas with every instance at the mean KV and
-mean batch, one shard row per request and no CP traffic.
+    T = max_i(n_dense * dlayer_i + pre_i) + (n_moe - 1) * max_i(pre_i) + n_moe * a2a + max_i(iteration_i) + host
+(cp_i here includes the per-partial part of the merge; its const and batch parts count as "other".) The ideal bound
+charges the same formulas with every instance at the mean KV and mean batch, one shard row per request and no CP
+traffic.
+
+Shared processors (optional `cluster.shared_cores` = P, for local CPU clusters whose instances take turns on a few
+cores): the iteration cannot be shorter than every instance's work spread over P cores,
+    T = max(T_lockstep, sum_i work_i / P) + host
+    work_i = n_dense * dlayer_i + n_moe * (pre_i + dispatch(b_i) + expert(mean batch) + combine(b_i)) + iteration_i
+Without it (the GPU profiles) every instance has its own hardware.
+
+Breakdown of one MoE layer on instance i (`IterationCost.layer`): attention_i, cp_i, other_i = pre_i - attention_i
+- cp_i + expert, and moe_a2a_i = dispatch + combine + (max_j pre_j - pre_i): an instance that finishes its
+attention early waits inside the all-to-all, as a profiler sees it. The four parts add up to the same layer time on
+every instance; the slowest instance waits 0.
 """
 
 from __future__ import annotations
@@ -53,7 +69,7 @@ TIME_UNITS = {"s": 1.0, "ms": 1e-3, "us": 1e-6}
 
 PHASE_FEATURES: dict[str, tuple[str, ...]] = {
     "attention": ("kv_tokens", "shards"),
-    "merge": ("partials",),
+    "merge": ("partials", "batch"),
     "dense": ("batch",),
     "shared_expert": ("batch",),
     "dense_mlp": ("batch",),
@@ -61,7 +77,9 @@ PHASE_FEATURES: dict[str, tuple[str, ...]] = {
     "moe_dispatch": ("batch",),
     "moe_combine": ("batch",),
     "iteration": ("batch",),
+    "host": ("batch",),
 }
+OPTIONAL_PHASES = frozenset({"host"})  # absent = zero
 LINKS = ("nvlink", "rdma")
 BREAKDOWN = ("attention", "moe_a2a", "cp_comm", "other")
 
@@ -186,12 +204,15 @@ class IterationCost:
     total_s (its waiting for the lock-step barrier is counted in moe_a2a, as a profiler sees it).
     slowest_layer[phase] is one MoE layer of the slowest instance (the one with the largest pre-dispatch time),
     in seconds, with moe_a2a the pure dispatch + combine time.
+    layer[phase] is one MoE layer (a dense layer in a model without MoE layers) of every instance, [num_instances]
+    seconds; moe_a2a includes the instance's wait for the slowest one (module docstring).
     """
 
     total_s: float
     per_instance: dict[str, np.ndarray]
     slowest: int
     slowest_layer: dict[str, float]
+    layer: dict[str, np.ndarray] = field(default_factory=dict)
 
     def slowest_breakdown(self) -> dict[str, float]:
         return {p: float(self.per_instance[p][self.slowest]) for p in BREAKDOWN}
@@ -238,8 +259,9 @@ class _Coefs:
     attn: float
     attn_kv: float
     attn_rows: float
-    merge: float  # once per instance that merges remote partials
+    merge: float  # every layer and instance (output side of the merge)
     merge_partial: float
+    merge_b: float
     dense: float
     dense_b: float
     shared: float
@@ -252,6 +274,8 @@ class _Coefs:
     a2a_b: float
     it: float
     it_b: float
+    host: float
+    host_b: float
 
 
 @dataclass
@@ -266,6 +290,7 @@ class LatencyProfile:
     prefill: PrefillCost | None
     kv_transfer_link: str = "rdma"
     kv_transfer_links: int = 1
+    shared_cores: float | None = None  # instances share this many processors (CPU clusters); None: dedicated
     raw: dict[str, Any] = field(default_factory=dict, repr=False)
     _phase_cache: dict[tuple[str, int], LinearCost] = field(default_factory=dict, repr=False, compare=False)
     _coef_cache: dict[int, _Coefs] = field(default_factory=dict, repr=False, compare=False)
@@ -300,7 +325,7 @@ class LatencyProfile:
         except (KeyError, TypeError) as e:
             raise ProfileError(f"bad or missing model section: {e}") from None
         phases = {name: _parse_phase(name, spec, scale) for name, spec in data.get("phases", {}).items()}
-        missing = set(PHASE_FEATURES) - set(phases)
+        missing = set(PHASE_FEATURES) - set(phases) - OPTIONAL_PHASES
         if missing:
             raise ProfileError(f"profile {data.get('name')!r} lacks phases {sorted(missing)}")
         cluster = data.get("cluster", {})
@@ -323,6 +348,7 @@ class LatencyProfile:
             prefill=PrefillCost(**pre) if pre else None,
             kv_transfer_link=transfer.get("link", "rdma"),
             kv_transfer_links=int(transfer.get("links", 1)),
+            shared_cores=_shared_cores(cluster.get("shared_cores")),
             raw=dict(data),
         )
 
@@ -332,7 +358,9 @@ class LatencyProfile:
         key = (name, num_instances)
         cost = self._phase_cache.get(key)
         if cost is None:
-            cost = self._phase_cache[key] = self.phases[name].at(num_instances)
+            model = self.phases.get(name)
+            cost = model.at(num_instances) if model is not None else LinearCost(0.0, {})
+            self._phase_cache[key] = cost
         return cost
 
     def attention_time(self, kv_tokens: Any, shards: Any, num_instances: int = 1) -> Any:
@@ -356,8 +384,8 @@ class LatencyProfile:
         res_round = np.maximum(nvl.time(self.model.res_bytes * n_nvl), rdma.time(self.model.res_bytes * n_rdma))
         return q_round + res_round
 
-    def merge_time(self, partials: Any, num_instances: int = 1) -> Any:
-        return self.phase("merge", num_instances)(partials=partials)
+    def merge_time(self, partials: Any, batch: Any = 0, num_instances: int = 1) -> Any:
+        return self.phase("merge", num_instances)(partials=partials, batch=batch)
 
     def moe_a2a_time(self, max_batch: float, num_instances: int) -> tuple[float, float]:
         """(dispatch, combine) per MoE layer, driven by the largest batch (lock-step)."""
@@ -412,6 +440,7 @@ class LatencyProfile:
                 attn_rows=att.coefs.get("shards", 0.0),
                 merge=p("merge").const,
                 merge_partial=p("merge").coefs.get("partials", 0.0),
+                merge_b=batch("merge"),
                 dense=p("dense").const,
                 dense_b=batch("dense"),
                 shared=p("shared_expert").const,
@@ -424,6 +453,8 @@ class LatencyProfile:
                 a2a_b=batch("moe_dispatch") + batch("moe_combine"),
                 it=p("iteration").const,
                 it_b=batch("iteration"),
+                host=p("host").const,
+                host_b=batch("host"),
             )
         return c
 
@@ -452,13 +483,13 @@ class LatencyProfile:
         if routes is not None and routes.total:
             nodes = np.arange(len(b)) // self.instances_per_node if node_of is None else np.asarray(node_of)
             partials = np.bincount(routes.src, minlength=len(b))  # remote partials merged at each MoE instance
-            cp = self.cp_comm_time(routes, nodes) + np.where(partials > 0, c.merge + c.merge_partial * partials, 0)
+            cp = self.cp_comm_time(routes, nodes) + c.merge_partial * partials
         cp = np.broadcast_to(cp, b.shape)
         n_moe, n_dense = self.model.num_moe_layers, self.model.num_dense_layers
         b_max, b_mean = float(b.max()), float(b.mean())
         a2a = c.a2a + c.a2a_b * b_max  # dispatch + combine, lock-step on the largest batch
         expert = c.expert + c.expert_b * b_mean  # every instance receives mean batch x top-k rows
-        local = c.dense + c.dense_b * b  # [I]
+        local = c.dense + c.dense_b * b + c.merge + c.merge_b * b  # [I]
         pre = attn + cp + local + (c.shared + c.shared_b * b)  # [I] MoE layer up to dispatch
         dlayer = attn + cp + local + (c.mlp + c.mlp_b * b)  # [I] dense layer
         iter_local = c.it + c.it_b * b  # [I]
@@ -468,33 +499,55 @@ class LatencyProfile:
         else:
             total = float((n_dense * dlayer).max())
         total += float(iter_local.max())
+        if self.shared_cores is not None:
+            moe_own = c.a2a + c.a2a_b * b + expert  # [I] all-to-all work at the instance's own batch
+            work = n_dense * dlayer + n_moe * (pre + moe_own) + iter_local  # [I]
+            total = max(total, float(work.sum()) / self.shared_cores)
+        host = c.host + c.host_b * float(b.sum())  # the driver's serial part of the iteration
+        total += host
 
         n_layers = n_moe + n_dense
-        other = n_dense * (dlayer - attn - cp) + n_moe * (pre - attn - cp + expert) + iter_local
+        other = n_dense * (dlayer - attn - cp) + n_moe * (pre - attn - cp + expert) + iter_local + host
         per_instance = {"attention": n_layers * attn, "cp_comm": n_layers * cp, "other": other}
         per_instance["moe_a2a"] = total - per_instance["attention"] - per_instance["cp_comm"] - other
-        slowest = int(np.argmax(pre if n_moe > 0 else dlayer))
-        layer_local = (pre if n_moe > 0 else dlayer)[slowest] - attn[slowest] - cp[slowest]
-        slowest_layer = {
-            "attention": float(attn[slowest]),
-            "cp_comm": float(cp[slowest]),
-            "moe_a2a": a2a if n_moe > 0 else 0.0,
-            "other": float(layer_local + (expert if n_moe > 0 else 0.0)),
+        body = pre if n_moe > 0 else dlayer  # [I] one layer up to the all-to-all
+        slowest = int(np.argmax(body))
+        layer = {
+            "attention": attn.copy(),
+            "cp_comm": np.array(cp, dtype=float),
+            "moe_a2a": (a2a + body.max() - body) if n_moe > 0 else np.zeros_like(body),
+            "other": body - attn - cp + (expert if n_moe > 0 else 0.0),
         }
-        return IterationCost(total, per_instance, slowest, slowest_layer)
+        slowest_layer = {k: float(v[slowest]) for k, v in layer.items()}
+        return IterationCost(total, per_instance, slowest, slowest_layer, layer)
 
     def ideal_iteration_time(self, total_kv_tokens: float, total_batch: float, num_instances: int) -> float:
         """The same work perfectly balanced (mean KV, mean batch, one shard per request) with no CP traffic."""
         c = self._coefs(num_instances)
         kv, b = total_kv_tokens / num_instances, total_batch / num_instances
         attn = c.attn + c.attn_kv * kv + c.attn_rows * b
-        local = attn + c.dense + c.dense_b * b
+        local = attn + c.dense + c.dense_b * b + c.merge + c.merge_b * b
         pre = local + c.shared + c.shared_b * b
         dlayer = local + c.mlp + c.mlp_b * b
         n_moe, n_dense = self.model.num_moe_layers, self.model.num_dense_layers
         moe = c.a2a + c.a2a_b * b + c.expert + c.expert_b * b
         body = n_dense * dlayer + n_moe * (pre + moe) if n_moe > 0 else n_dense * dlayer
-        return body + c.it + c.it_b * b
+        per_instance = body + c.it + c.it_b * b
+        if self.shared_cores is not None:
+            per_instance = max(per_instance, num_instances * per_instance / self.shared_cores)
+        return per_instance + c.host + c.host_b * total_batch
+
+
+def _shared_cores(value: Any) -> float | None:
+    if value is None:
+        return None
+    try:
+        cores = float(value)
+    except (TypeError, ValueError):
+        raise ProfileError(f"cluster.shared_cores must be a number, got {value!r}") from None
+    if not cores > 0:
+        raise ProfileError(f"cluster.shared_cores must be > 0, got {value!r}")
+    return cores
 
 
 def _parse_phase(name: str, spec: Mapping[str, Any], scale: float) -> PhaseModel:
@@ -520,7 +573,7 @@ def _parse_phase(name: str, spec: Mapping[str, Any], scale: float) -> PhaseModel
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def _nonnegative_lstsq(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+def nonnegative_lstsq(x: np.ndarray, y: np.ndarray) -> np.ndarray:
     """argmin ||x c - y|| subject to c >= 0, exactly, by trying every support (phases have <= 3 columns)."""
     best, best_err = np.zeros(x.shape[1]), float(np.sum(y**2))
     for k in range(1, x.shape[1] + 1):
@@ -545,7 +598,7 @@ def fit_linear_cost(records: Sequence[Mapping[str, Any]], features: Sequence[str
         y = np.array([float(r["seconds"]) for r in records])  # [N]
     except KeyError as e:
         raise ProfileError(f"timing record lacks {e}") from None
-    coef = _nonnegative_lstsq(x, y)
+    coef = nonnegative_lstsq(x, y)
     return {"const": float(coef[0])} | {f: float(c) for f, c in zip(features, coef[1:])}
 
 
@@ -585,6 +638,8 @@ def fit_profile_from_timing_log(
     for phase, feats in PHASE_FEATURES.items():
         if phase in by_phase:
             phases[phase] = fit_linear_cost(by_phase[phase], feats)
+        elif phase in OPTIONAL_PHASES and (base_profile is None or phase not in base_profile.phases):
+            continue
         elif base_profile is None:
             raise ProfileError(f"no timing records for phase {phase!r} and no base profile to take it from")
         else:  # keep the base's coefficients, converted to seconds

@@ -250,3 +250,37 @@ def bisect_capacity(
         else:
             hi = mid
     return CapacityResult(lo, history)
+
+
+def search_capacity(
+    attainment_at: Callable[[float], float],
+    guess: float,
+    target: float = 0.99,
+    rel_tol: float = 0.05,
+    max_runs: int = 8,
+    step: float = 1.5,
+) -> CapacityResult:
+    """Largest rate with attainment_at(rate) >= target, bracketed from `guess` in both directions (x or / `step`),
+    then bisected until the bracket is within rel_tol or max_runs runs were spent. Assumes attainment falls with
+    rate. Returns rate 0 when no tried rate meets the target.
+    """
+    if not guess > 0 or not step > 1 or max_runs < 1:
+        raise ValueError(f"need guess > 0, step > 1, max_runs >= 1; got {guess}, {step}, {max_runs}")
+    history: list[tuple[float, float]] = []
+
+    def ok(rate: float) -> bool:
+        history.append((rate, attainment_at(rate)))
+        return history[-1][1] >= target
+
+    lo, hi = (guess, math.inf) if ok(guess) else (0.0, guess)
+    while len(history) < max_runs and (math.isinf(hi) or lo == 0.0):
+        if math.isinf(hi):  # still passing: go up
+            rate = lo * step
+            lo, hi = (rate, hi) if ok(rate) else (lo, rate)
+        else:  # still failing: go down
+            rate = hi / step
+            lo, hi = (rate, hi) if ok(rate) else (lo, rate)
+    while lo > 0 and math.isfinite(hi) and hi - lo > rel_tol * lo and len(history) < max_runs:
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if ok(mid) else (lo, mid)
+    return CapacityResult(lo, history)

@@ -13,6 +13,14 @@ landed. Total decode iterations per request stay output_len - 1.
 
 Every iteration is also charged at an ideal: the same total KV and batch spread perfectly evenly, one shard per
 request and no CP traffic (`LatencyProfile.ideal_iteration_time`).
+
+Routed queries come from the plan's lowered routing tables (`IterationPlan.tables`, written by the C++ core and
+read here as numpy views) whenever many requests span several instances or a binding grew; with a few multi-shard
+requests their bindings are read one by one. Iterations where every request has one shard skip both.
+
+Known simplification: a preempted request's continuation re-enters the scheduler's waiting queue at the tail once
+its recomputed KV has landed (the scheduler's API has no way to insert at the front; in the real engine the
+scheduler keeps it at the front). Experiments report the number of preemptions, so its weight can be judged.
 """
 
 from __future__ import annotations
@@ -29,7 +37,7 @@ from typing import Any, Protocol
 import numpy as np
 from tqdm import tqdm
 
-from nanocp.control_plane import ClusterSpec, CPBucketTable, GlobalScheduler, SchedulerError
+from nanocp.control_plane import ClusterSpec, CPBucketTable, GlobalScheduler, RoutingTables, SchedulerError
 
 from .latency_profile import IterationCost, LatencyProfile, RouteCounts
 from .sim_metrics import (
@@ -47,6 +55,7 @@ from .sim_metrics import (
 from .workloads import Request
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
+FEW_MULTI_SHARD = 64  # up to this many multi-shard requests, read their bindings instead of the lowered tables
 
 
 class SimulationError(RuntimeError):
@@ -113,6 +122,7 @@ class SimConfig:
     slo: SLO = field(default_factory=SLO)
     kv_transfer: bool = True  # charge prefill -> decode KV transfer time
     max_sim_time_s: float = math.inf  # stop here; requests not done count as unfinished
+    stop_when_slo_lost: bool = False  # stop once more requests missed the SLO than the attainment target allows
     progress: bool = True
 
     @property
@@ -128,6 +138,9 @@ class SimResult:
     metrics: RunMetrics
     wall_time_s: float
     sim_time_s: float
+    instance_layer_us: dict[str, list[float]] = field(default_factory=dict)  # one MoE layer per instance, mean
+    instance_layer_peak_us: dict[str, list[float]] = field(default_factory=dict)  # ... and its max over iterations
+    stopped_early: bool = False  # stop_when_slo_lost ended the run
 
     def to_dict(self) -> dict[str, Any]:
         cfg = {k: v for k, v in vars(self.config).items() if k not in ("profile", "cp_buckets", "slo")}
@@ -140,6 +153,9 @@ class SimResult:
             "metrics": self.metrics.to_dict(),
             "wall_time_s": self.wall_time_s,
             "sim_time_s": self.sim_time_s,
+            "stopped_early": self.stopped_early,
+            "instance_layer_us": self.instance_layer_us,
+            "instance_layer_peak_us": self.instance_layer_peak_us,
         }
 
 
@@ -229,14 +245,21 @@ class ClusterSimulator:
         self._ready: list[tuple[float, int, str]] = []  # heap of (ready time, seq, scheduler id)
         self._pending: dict[str, _Live] = {}  # submitted to prefill, not yet in the scheduler
         self._waiting: dict[str, int] = {}  # mirror of the scheduler's queue: id -> tokens needed (insertion order)
-        self._multi: set[str] = set()  # running requests whose KV binding spans > 1 instance
+        self._multi: dict[str, int] = {}  # running requests whose KV binding spans > 1 instance -> shard count
+        self._multi_rows = 0  # sum of self._multi's shard counts
+        self._layer_sum: dict[str, np.ndarray] = {}  # per-instance one-layer breakdown summed over the window
+        self._layer_peak: dict[str, np.ndarray] = {}  # ... and its per-instance maximum
+        self._layer_iterations = 0
+        self._missed = 0  # requests that can no longer meet the SLO (finished late or rejected)
+        self._max_missed = (1.0 - self.config.slo.attainment) * len(reqs)
         self._self_finished: set[str] = set()  # ids we ended ourselves (preemption), not real completions
         self._cum_dt = [0.0]  # prefix sums of iteration time: cum[k] = sum of dt over iterations < k
         self._cum_ideal = [0.0]
         self._seq = 0
         now = reqs[0].arrival_s if reqs else 0.0
         next_arrival = 0
-        horizon = reqs[-1].arrival_s if reqs else 0.0
+        horizon = self._horizon = reqs[-1].arrival_s if reqs else 0.0
+        stopped = False
         bar = tqdm(
             total=round(horizon, 3),
             disable=not self.config.progress,
@@ -251,6 +274,9 @@ class ClusterSimulator:
             while self._ready and self._ready[0][0] <= now:
                 self._enqueue(heapq.heappop(self._ready)[2])
             if now > self.config.max_sim_time_s:
+                break
+            if self.config.stop_when_slo_lost and self._missed > self._max_missed:
+                stopped = True
                 break
             if self.sched.num_running == 0 and self.sched.num_waiting == 0:
                 upcoming = min(
@@ -276,7 +302,11 @@ class ClusterSimulator:
             now += dt
         bar.close()
         metrics = summarize(self.records, self.log, self.config.slo)
-        return SimResult(self.config, self.records, self.log, metrics, time.perf_counter() - wall0, now)
+        n = max(self._layer_iterations, 1)
+        layer_us = {k: (v * 1e6 / n).tolist() for k, v in self._layer_sum.items()}
+        peak_us = {k: (v * 1e6).tolist() for k, v in self._layer_peak.items()}
+        wall = time.perf_counter() - wall0
+        return SimResult(self.config, self.records, self.log, metrics, wall, now, layer_us, peak_us, stopped)
 
     # -- request flow ----------------------------------------------------------------------------------------
 
@@ -302,6 +332,7 @@ class ClusterSimulator:
             self.sched.add_request(sid, live.prompt_len, live.max_new_tokens)
         except SchedulerError:
             rec.status = REJECTED  # can never be placed under this policy and cluster
+            self._missed += 1
             return
         self._live[sid] = live
         self._waiting[sid] = live.prompt_len + 1
@@ -314,7 +345,7 @@ class ClusterSimulator:
             rec.decode_time_s += self._cum_dt[k] - self._cum_dt[live.admitted_at]
             rec.ideal_decode_time_s += self._cum_ideal[k] - self._cum_ideal[live.admitted_at]
             rec.decode_iterations += k - live.admitted_at
-        self._multi.discard(sid)
+        self._multi_rows -= self._multi.pop(sid, 0)
         return live
 
     # -- one iteration ---------------------------------------------------------------------------------------
@@ -329,9 +360,11 @@ class ClusterSimulator:
             live = self._end_segment(sid, k)
             rec = self.records[live.index]
             rec.finish_s, rec.status = now, FINISHED
+            self._missed += not rec.meets(self.config.slo)
         for sid in plan.rejected:
             live = self._end_segment(sid, k)
             self.records[live.index].status = REJECTED
+            self._missed += 1
             self._waiting.pop(sid, None)
         for sid in plan.preempted:
             self._preempt(sid, k, now)
@@ -343,7 +376,8 @@ class ClusterSimulator:
             rec = self.records[live.index]
             rec.max_cp = max(rec.max_cp, len(split))
             if len(split) > 1:
-                self._multi.add(adm.rid)
+                self._multi[adm.rid] = len(split)
+                self._multi_rows += len(split)
 
         loads = self.sched.loads()
         kv = np.array([x.kv_tokens for x in loads], dtype=float)  # [I]
@@ -358,6 +392,11 @@ class ClusterSimulator:
         cost = self.profile.iteration_cost(kv, shards, batch, routes, self.node_of)
         ideal = self.profile.ideal_iteration_time(float(kv.sum()), float(batch.sum()), len(batch))
         self._append_cum(cost.total_s, ideal)
+        if now <= self._horizon:  # the loaded window, as in the run's balance summary
+            for key, value in cost.layer.items():
+                self._layer_sum[key] = self._layer_sum.get(key, 0.0) + value
+                self._layer_peak[key] = np.maximum(self._layer_peak.get(key, 0.0), value)
+            self._layer_iterations += 1
         n_queries = routes.total if routes is not None else 0
         self.log.append(
             t=now,
@@ -369,6 +408,7 @@ class ClusterSimulator:
             batch_imbalance=imbalance(batch),
             hol_blocked=float(self._hol_blocked(free_pages)),
             cp_queries=n_queries,
+            cp_requests=len(self._multi),
             cp_bytes=n_queries * self.cp_bytes_per_query,
             **{f"slowest_{p}": v for p, v in cost.slowest_layer.items()},
         )
@@ -390,31 +430,41 @@ class ClusterSimulator:
         self._submit(cont, f"{rec.rid}@{rec.preemptions}", now, first=False)
 
     def _routes(self, plan: Any, total_shards: int, running: int) -> RouteCounts | None:
-        """Routed queries of this iteration from the running requests whose KV spans several instances.
+        """Routed queries of this iteration, one per (running request, shard not on its MoE instance).
 
-        Multi-shard requests are tracked from admission; a request whose binding grew (its MoE instance ran out
-        of pages) shows up as a shard-count mismatch, and then the whole batch is rescanned.
+        Multi-shard requests are tracked from admission with their shard counts; a binding that grew (its MoE
+        instance ran out of pages) shows up as a shard-count mismatch and is re-read from the lowered tables.
         """
-        pairs = []
-        rows = running - len(self._multi)
-        for sid in self._multi:
-            st = self.sched.request_state(sid)
-            rows += len(st.kv_split)
-            pairs.extend((st.moe_instance, i) for i in st.kv_split if i != st.moe_instance)
-            rec = self.records[self._live[sid].index]
-            rec.max_cp = max(rec.max_cp, len(st.kv_split))
-        if rows != total_shards:
-            pairs = []
+        if total_shards == running:  # every request has one shard: no CP this iteration
             self._multi.clear()
-            for sid, (moe, split) in plan.bindings.items():
-                if len(split) > 1:
-                    self._multi.add(sid)
-                    pairs.extend((moe, i) for i in split if i != moe)
-                    rec = self.records[self._live[sid].index]
-                    rec.max_cp = max(rec.max_cp, len(split))
-        if not pairs:
+            self._multi_rows = 0
             return None
-        return RouteCounts.from_pairs(pairs, self.spec.num_instances)
+        grew = running - len(self._multi) + self._multi_rows != total_shards
+        if not grew and len(self._multi) <= FEW_MULTI_SHARD:
+            pairs = []
+            for sid in self._multi:
+                st = self.sched.request_state(sid)  # the MoE instance moves with nanocp's rebalancing
+                pairs.extend((st.moe_instance, i) for i in st.kv_split if i != st.moe_instance)
+            return RouteCounts.from_pairs(pairs, self.spec.num_instances)
+        tables = [RoutingTables.parse(t) for t in plan.tables]
+        if grew:
+            self._recount_multi(plan, tables)
+        src = np.concatenate([t.q_recv[:, 0] for t in tables]).astype(np.int64)  # [Q] sender (MoE instance)
+        dst = np.repeat(np.arange(len(tables)), [len(t.q_recv) for t in tables])  # [Q] receiver (shard)
+        return RouteCounts(src, dst, self.spec.num_instances)
+
+    def _recount_multi(self, plan: Any, tables: list[RoutingTables]) -> None:
+        """Shard count of every request from the lowered tables; refresh the multi-shard set and max CP."""
+        batch_index = np.concatenate([t.shards[:, 0] for t in tables])  # [S] one entry per (request, shard)
+        counts = np.bincount(batch_index, minlength=len(plan.batch_handles))  # [B]
+        multi = np.nonzero(counts > 1)[0]
+        names, old = plan.batch, self._multi
+        self._multi = {names[b]: n for b, n in zip(multi.tolist(), counts[multi].tolist())}
+        self._multi_rows = int(counts[multi].sum())
+        for sid, n in self._multi.items():
+            if old.get(sid, 1) < n:  # shard counts only grow while a request runs
+                rec = self.records[self._live[sid].index]
+                rec.max_cp = max(rec.max_cp, n)
 
     def _hol_blocked(self, free_pages: np.ndarray) -> bool:
         """The queue's head still waits although some node's free pages would hold its whole context."""

@@ -10,7 +10,7 @@ import sys
 from . import __version__
 
 # Layers that add subcommands: each module has `register(subparsers)` and imports its heavy parts lazily.
-SUBCOMMAND_MODULES: list[str] = ["nanocp.cli_serve", "nanocp.prefill.cli"]
+SUBCOMMAND_MODULES: list[str] = ["nanocp.cli_sim", "nanocp.cli_serve", "nanocp.prefill.cli"]
 
 
 def command_group(sub: argparse._SubParsersAction, name: str, help: str) -> argparse._SubParsersAction:
