@@ -30,6 +30,7 @@ from nanocp.comm.shm_fabric import ShmFabric
 from nanocp.control_plane.lowering import RoutingTables
 from nanocp.models import load_config, load_model
 
+from .experts import owned_experts
 from .graph_runner import build_graph_engine
 from .instance import DecodeInstance, InstanceLimits, RowInput, RowOutput
 from .kv_pool import PagedKVPool
@@ -59,8 +60,7 @@ class ClusterConfig:
 
 
 def experts_of(rank: int, num_instances: int, num_experts: int) -> set[int]:
-    per = num_experts // num_instances
-    return set(range(rank * per, (rank + 1) * per))
+    return set(owned_experts(rank, num_instances, num_experts))
 
 
 def build_instance(cfg: ClusterConfig, rank: int, fabric, pool: PagedKVPool) -> DecodeInstance:
@@ -143,6 +143,9 @@ class ThreadCluster(_LocalPools):
             inst.timing.records.clear()
         return records
 
+    def dead_instances(self) -> list[int]:
+        return []  # threads do not die on their own: a failure here is an error, not a lost instance
+
     def close(self) -> None:
         for inst in self.instances:
             inst.fabric.close()
@@ -196,6 +199,9 @@ class InlineCluster(_LocalPools):
         for inst in self.instances:
             inst.timing.records.clear()
         return records
+
+    def dead_instances(self) -> list[int]:
+        return []  # one thread runs every instance: a failure here is an error, not a lost instance
 
     def close(self) -> None:
         for inst in self.instances:
@@ -278,10 +284,14 @@ class ProcessCluster(_LocalPools):
     def run_iteration(
         self, tables: list[np.ndarray], rows: list[dict[int, RowInput]], return_logits: bool = False
     ) -> list[RowOutput]:
-        for r in range(self.cfg.num_instances):
-            self._start(r, tables[r], rows[r], return_logits)
         outputs, errors = [], []
-        retries = dict.fromkeys(range(self.cfg.num_instances), 0)  # instances still running this iteration
+        retries = {}  # instances still running this iteration -> resends so far
+        for r in range(self.cfg.num_instances):
+            try:
+                self._start(r, tables[r], rows[r], return_logits)
+                retries[r] = 0
+            except OSError:  # broken pipe: the process is gone
+                errors.append((False, f"instance {r} died (exit code {self._procs[r].exitcode})"))
         deadline = time.monotonic() + self.cfg.timeout_s * 2 + 5
         while retries:
             # Answers are taken in whatever order they come: an instance asking for a resend must not wait
@@ -301,8 +311,11 @@ class ProcessCluster(_LocalPools):
                 if msg[0] == "resync" and retries[r] < self.cfg.metadata_retries:
                     retries[r] += 1
                     self.resyncs += 1
-                    self._start(r, tables[r], rows[r], return_logits)
-                    continue
+                    try:
+                        self._start(r, tables[r], rows[r], return_logits)
+                        continue
+                    except OSError:
+                        msg = ("error", f"instance {r} died (exit code {self._procs[r].exitcode})", False)
                 del retries[r]
                 if msg[0] == "ok":
                     outputs.extend(msg[1])
@@ -325,6 +338,14 @@ class ProcessCluster(_LocalPools):
         else:
             self._senders[r].push(self._seqs[r], table.tobytes())
         self._conns[r].send(("run", self._seqs[r], rows, return_logits))
+
+    def dead_instances(self) -> list[int]:
+        return [r for r, proc in enumerate(self._procs) if not proc.is_alive()]
+
+    def kill_instance(self, instance: int) -> None:
+        """Fault injection (tests, reliability runs): SIGKILL one instance process."""
+        self._procs[instance].kill()
+        self._procs[instance].join()
 
     def inject_metadata_fault(self, instance: int, fault: Fault) -> None:
         """Fault injection (tests): the next routing-table push to `instance` is dropped/corrupted/torn."""

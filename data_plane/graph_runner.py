@@ -33,6 +33,8 @@ from nanocp.models import (
     shared_expert,
 )
 
+from .experts import expert_slots
+
 if TYPE_CHECKING:
     from .instance import DecodeInstance, InstanceLimits, RowInput
 
@@ -80,7 +82,7 @@ def decode_fields(
         FieldSpec("logits", ("moe_batch", c.vocab_size), dtype),
     ]
     if c.num_moe_layers:
-        local = c.n_routed_experts // num_instances
+        local = expert_slots(c.n_routed_experts, num_instances)
         fields += [
             FieldSpec("topk_idx", ("moe_batch", c.num_experts_per_tok), i64),
             FieldSpec("topk_weights", ("moe_batch", c.num_experts_per_tok), f32),

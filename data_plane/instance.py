@@ -42,6 +42,7 @@ from nanocp.models import (
 )
 
 from .backends import Backends
+from .experts import expert_slots, owned_experts
 from .graph_runner import GraphRunner, execution_shape
 from .kv_pool import PagedKVPool
 from .sampling import SamplingParams, sample_token
@@ -114,11 +115,11 @@ class DecodeInstance:
         self.dispatcher = None
         if any(layer.moe is not None for layer in model.layers):
             make_dispatcher = self.backends.dispatcher or LowLatencyDispatcher
+            slots = expert_slots(c.n_routed_experts, fabric.world_size)
             self.dispatcher = make_dispatcher(
-                fabric, c.n_routed_experts, c.hidden_size, limits.max_moe_batch, dtype, "moe", timeout_s
+                fabric, slots * fabric.world_size, c.hidden_size, limits.max_moe_batch, dtype, "moe", timeout_s
             )
-            lx = self.dispatcher.local_experts
-            self.local_experts = range(rank * lx, (rank + 1) * lx)
+            self.local_experts = owned_experts(rank, fabric.world_size, c.n_routed_experts)
             missing = set(self.local_experts) - model.expert_ids
             if missing:
                 raise ValueError(f"instance {rank} must hold experts {sorted(missing)}")

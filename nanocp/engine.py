@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from nanocp.control_plane import Admission, ClusterSpec, CPBucketTable, GlobalScheduler
-from nanocp.data_plane.cluster import ClusterConfig, make_cluster
+from nanocp.data_plane.cluster import ClusterConfig, InstanceFailure, make_cluster
 from nanocp.data_plane.instance import InstanceLimits, RowInput
 from nanocp.data_plane.sampling import SamplingParams, sample_token
 from nanocp.data_plane.timing import PhaseRecord
@@ -98,6 +98,17 @@ class _Request:
     finish_reason: str | None = None
     error: str | None = None
     stop_text_end: int | None = None  # text is cut here when a stop string matched
+    resume: bool = False  # re-admitted after a cluster failure: its prefill must not sample a new first token
+
+
+@dataclass(frozen=True)
+class Recovery:
+    """A decode-cluster failure the engine survived."""
+
+    iteration: int
+    dead_instances: tuple[int, ...]
+    survivors: int
+    error: str
 
 
 class Engine:
@@ -107,12 +118,17 @@ class Engine:
             torch.set_num_threads(config.torch_threads)
         self.model_config = load_config(config.model)
         self.tokenizer = load_tokenizer(config.model)
-        spec = config.cluster_spec()
-        if self.model_config.n_routed_experts % spec.num_instances:
-            raise ValueError(
-                f"{self.model_config.n_routed_experts} experts cannot be split evenly over "
-                f"{spec.num_instances} decode instances"
-            )
+        self.prefill_model = load_model(config.model, dtype=config.dtype)
+        self.recoveries: list[Recovery] = []
+        self._build_cluster(config.cluster_spec())
+        self.requests: dict[str, _Request] = {}
+        self._done: list[RequestOutput] = []
+        self.last_updated: list[str] = []  # requests that received tokens in the last step (for streaming)
+        self.iterations = 0
+
+    def _build_cluster(self, spec: ClusterSpec) -> None:
+        """A scheduler and a decode cluster of spec.num_instances instances (the experts split over them)."""
+        config = self.config
         self.spec = spec
         self.scheduler = GlobalScheduler(
             spec,
@@ -127,7 +143,6 @@ class Engine:
             max_q_recv=config.max_batch_per_instance * n,
             max_res_recv=config.max_batch_per_instance * n,
         )
-        self.prefill_model = load_model(config.model, dtype=config.dtype)
         cluster_cfg = ClusterConfig(
             config.model,
             n,
@@ -141,10 +156,40 @@ class Engine:
             use_graphs=config.use_graphs,
         )
         self.cluster = make_cluster(config.backend, cluster_cfg)
-        self.requests: dict[str, _Request] = {}
-        self._done: list[RequestOutput] = []
-        self.last_updated: list[str] = []  # requests that received tokens in the last step (for streaming)
-        self.iterations = 0
+
+    # ------------------------------------------------------------------ failures
+
+    def _recover(self, error: InstanceFailure) -> None:
+        """An iteration failed: shrink the EP group to the surviving instances (experts re-sharded over them),
+        and re-prefill every unfinished request on the new cluster from its prompt and the tokens it has
+        generated; a request the smaller cluster can never hold ends with an explicit error."""
+        recent = [r for r in self.recoveries if r.iteration >= self.iterations - 3]
+        if len(recent) >= 3:
+            raise RuntimeError(f"decode cluster keeps failing ({len(recent)} recoveries in 3 iterations)") from error
+        dead = self.cluster.dead_instances()
+        survivors = self.spec.num_instances - len(dead)
+        if survivors < 1:
+            raise RuntimeError("every decode instance is gone") from error
+        self.recoveries.append(Recovery(self.iterations, tuple(dead), survivors, str(error)))
+        self.cluster.close()
+        per_node = self.spec.instances_per_node
+        if survivors % per_node:
+            per_node = survivors  # the survivors form one node
+        spec = ClusterSpec(survivors // per_node, per_node, self.spec.kv_capacity_tokens, self.spec.page_size)
+        self._build_cluster(spec)
+        for req in self.requests.values():
+            if req.finish_reason is not None:
+                continue
+            # A request that has output tokens resumes: its context is the prompt plus all but the last output
+            # token (whose KV the next iteration writes), and it needs one decode iteration per missing token.
+            context = len(req.prompt) + max(0, len(req.output) - 1)
+            new_tokens = req.params.max_tokens - max(0, len(req.output) - 1)
+            try:
+                self.scheduler.add_request(req.rid, context, new_tokens)
+            except ValueError as e:
+                self._end(req, "error", f"the cluster can no longer hold this request after a failure: {e}")
+                continue
+            req.resume = bool(req.output)
 
     # ------------------------------------------------------------------ requests
 
@@ -204,7 +249,11 @@ class Engine:
                 req = self.requests[batch[batch_index]]
                 rows[instance][batch_index] = RowInput(req.output[-1], req.params, len(req.output), req.seed)
         keep = any(self.requests[rid].keep_logits for rid in batch)
-        outputs = self.cluster.run_iteration(tables, rows, keep) if batch else []
+        try:
+            outputs = self.cluster.run_iteration(tables, rows, keep) if batch else []
+        except InstanceFailure as e:
+            self._recover(e)
+            outputs = []
         now = time.monotonic()
         for out in outputs:
             req = self.requests[batch[out.batch_index]]
@@ -230,7 +279,9 @@ class Engine:
                 start += n_context
             if start != adm.context_len:
                 raise RuntimeError(f"request {adm.rid}: shards hold {start} context tokens, not {adm.context_len}")
-            if not adm.recompute:
+            if adm.recompute or req.resume:  # KV rebuilt for a request that already has its next input token
+                req.resume = False
+            else:
                 first = sample_token(out.logits[-1], req.params, 0, req.seed)
                 self._append(req, first, out.logits[-1].clone() if req.keep_logits else None, now)
 
