@@ -124,10 +124,12 @@ def deploy(
     gpus_per_node instances per placement group. CPU mode (cpu_instances N): N instances of one CPU each,
     engine_config.instances_per_node (default N) per placement group.
     """
-    import ray
-
     if cpu_instances is not None and cpu_instances < 1:
         raise ValueError(f"--cpu-instances must be >= 1, got {cpu_instances}")
+    if address is None and cpu_instances is None and not _local_gpus():
+        raise ValueError("this machine has no GPUs for a local Ray cluster; use --cpu-instances N to run on CPU")
+    import ray
+
     if address:
         ray.init(address=address, logging_level="warning")
     else:
@@ -147,6 +149,12 @@ def deploy(
         serve(server_config, config, host, port, placement, log_level, announce)
     finally:
         ray.shutdown()
+
+
+def _local_gpus() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
 def _ray_layout(

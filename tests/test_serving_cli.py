@@ -1,0 +1,66 @@
+"""`nanocp serve` as users run it: the default processes backend, the printed URL and curl example (which must
+work), a clean exit on SIGTERM with no instance process left behind, and the documented --prefill-instances."""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import psutil
+
+from nanocp.cli import build_parser
+from nanocp.control_plane.api.local import free_port
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_serve_prints_a_working_curl_example_and_stops_cleanly_on_sigterm():
+    port = free_port()
+    cmd = [sys.executable, "-m", "nanocp.cli", "serve", "--port", str(port), "--decode-instances", "2"]
+    cmd += ["--log-level", "warning"]
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
+    url = f"http://127.0.0.1:{port}"
+    lines: list[str] = []
+    try:
+        while not any("cluster ready" in line for line in lines):
+            line = proc.stdout.readline()
+            assert line, "serve exited early:\n" + "".join(lines)
+            lines.append(line)
+        curl = next(line for line in lines if "curl " in line)
+        body = json.loads(re.search(r"-d '(\{.*\})'", curl).group(1))
+        assert f"curl {url}/v1/completions" in curl and "processes backend" in "".join(lines)
+        r = httpx.post(url + "/v1/completions", json=body, timeout=60)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= body["max_tokens"]
+        instances = {p.pid for p in psutil.Process(proc.pid).children(recursive=True)}
+        assert len(instances) >= 2  # one process per decode instance
+        proc.send_signal(signal.SIGTERM)
+        rest, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 0, "".join(lines) + rest
+    deadline = time.monotonic() + 20
+    while any(psutil.pid_exists(p) for p in instances) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(psutil.pid_exists(p) for p in instances)
+
+
+def test_serve_defaults_and_prefill_instances_documentation():
+    parser = build_parser()
+    args = parser.parse_args(["serve"])
+    assert (args.model, args.prefill_instances, args.decode_instances, args.policy) == ("tiny", 2, 4, "nanocp")
+    assert (args.host, args.port, args.backend, args.api_key) == ("127.0.0.1", 8000, "processes", None)
+    serve = parser._subparsers._group_actions[0].choices["serve"]
+    help_text = " ".join(serve.format_help().split())
+    assert "takes effect once the CDSP prefill tier is wired" in help_text
+    bench = parser.parse_args(["bench", "serve", "--dataset", "mooncake", "--goodput", "ttft:100", "tpot:20"])
+    assert bench.dataset == "mooncake" and bench.goodput == ["ttft:100", "tpot:20"]
+    deploy = parser.parse_args(["deploy", "--cpu-instances", "3", "--address", "auto"])
+    assert (deploy.cpu_instances, deploy.address, deploy.backend) == (3, "auto", "ray")
