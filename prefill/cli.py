@@ -53,7 +53,6 @@ def cmd_profile_prefill(args: argparse.Namespace) -> int:
         lengths=args.lengths,
         modes=args.modes,
         repeats=args.repeats,
-        threads=args.threads,
         progress=lambda line: print(line, flush=True),
     )
     print(f"wrote {out}")
@@ -96,6 +95,5 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     pf.add_argument("--contexts", type=int, nargs="+", default=[0, 256, 512, 1024])
     pf.add_argument("--lengths", type=int, nargs="+", default=[64, 128, 256, 512, 1024])
     pf.add_argument("--modes", nargs="+", default=["ring", "ulysses"], choices=["ring", "ulysses"])
-    pf.add_argument("--repeats", type=int, default=2)
-    pf.add_argument("--threads", type=int, default=1, help="torch intra-op threads while measuring")
+    pf.add_argument("--repeats", type=int, default=3)
     pf.set_defaults(func=cmd_profile_prefill)

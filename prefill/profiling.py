@@ -3,8 +3,9 @@
 For every attention mode, SP size and (C, L) on a grid, a request of C + L tokens is prefilled on the first `sp`
 instances of an `SpPrefillExecutor` in two chunks: C tokens (the history, not timed) and L tokens (timed). The
 time is the chunk's critical-path latency from the executor's `CriticalPathClock`: every member's compute is
-measured and a wait ends no earlier than the signals it waited for, i.e. the latency with one core per instance and
-instantaneous (in-process) links. The minimum over repeats is kept (the machine may be shared), then Eq. 1 is
+measured (thread CPU time, one intra-op thread) and a wait ends no earlier than the signals it waited for, i.e. the
+latency with one core per instance and instantaneous (in-process) links. After one untimed warm-up per (mode, SP),
+repeats are rounds over the whole grid and the minimum per point is kept (the machine may be shared), then Eq. 1 is
 fitted per SP size with its fit quality.
 """
 
@@ -49,26 +50,33 @@ def measure_samples(
     contexts: Sequence[int] = DEFAULT_CONTEXTS,
     lengths: Sequence[int] = DEFAULT_LENGTHS,
     modes: Sequence[str] = DEFAULT_MODES,
-    repeats: int = 2,
+    repeats: int = 3,
     progress: Callable[[str], None] | None = None,
 ) -> dict[str, dict[int, list[tuple[int, int, float]]]]:
     """(C, L, seconds) samples per attention mode and SP size, seconds = min over `repeats` runs."""
     if repeats < 1 or not sp_sizes or not contexts or not lengths or min(lengths) < 1 or min(contexts) < 0:
         raise ValueError("need repeats >= 1, SP sizes, contexts >= 0 and lengths >= 1")
     executor = SpPrefillExecutor(model, max(sp_sizes), max(contexts) + max(lengths), timing=True)
-    samples: dict[str, dict[int, list[tuple[int, int, float]]]] = {}
+    grid = [(mode, sp, c, n) for mode in modes for sp in sp_sizes for c in contexts for n in lengths]
+    best: dict[tuple[str, int, int, int], float] = {}
     try:
         for mode in modes:
             for sp in sp_sizes:
-                rows = samples.setdefault(mode, {}).setdefault(sp, [])
-                for context in contexts:
-                    for tokens in lengths:
-                        best = min(measure_chunk(executor, sp, mode, context, tokens, seed=r) for r in range(repeats))
-                        rows.append((context, tokens, best))
-                        if progress is not None:
-                            progress(f"{mode} sp={sp} C={context} L={tokens}: {best * 1e3:.1f} ms")
+                measure_chunk(executor, sp, mode, max(contexts), max(lengths), seed=repeats)  # warm-up
+        # Repeats are rounds over the whole grid, so a burst of load from other processes hits different points in
+        # different rounds; the minimum per point is kept.
+        for r in range(repeats):
+            for mode, sp, context, tokens in grid:
+                seconds = measure_chunk(executor, sp, mode, context, tokens, seed=r)
+                key = (mode, sp, context, tokens)
+                best[key] = min(seconds, best.get(key, float("inf")))
+                if progress is not None:
+                    progress(f"round {r + 1}/{repeats} {mode} sp={sp} C={context} L={tokens}: {seconds * 1e3:.1f} ms")
     finally:
         executor.close()
+    samples: dict[str, dict[int, list[tuple[int, int, float]]]] = {}
+    for mode, sp, context, tokens in grid:
+        samples.setdefault(mode, {}).setdefault(sp, []).append((context, tokens, best[(mode, sp, context, tokens)]))
     return samples
 
 
@@ -85,13 +93,13 @@ def profile_cpu_prefill(
     contexts: Sequence[int] = DEFAULT_CONTEXTS,
     lengths: Sequence[int] = DEFAULT_LENGTHS,
     modes: Sequence[str] = DEFAULT_MODES,
-    repeats: int = 2,
-    threads: int = 1,
+    repeats: int = 3,
     progress: Callable[[str], None] | None = None,
 ) -> list[PrefillLatencyModel]:
-    """Measure, fit and write the profile; returns the fitted models (with fit quality)."""
+    """Measure, fit and write the profile; returns the fitted models (with fit quality). Runs with one intra-op
+    thread: the clock counts the driver thread's CPU time."""
     previous = torch.get_num_threads()
-    torch.set_num_threads(threads)
+    torch.set_num_threads(1)
     started = time.time()
     try:
         samples = measure_samples(model, sp_sizes, contexts, lengths, modes, repeats, progress)
@@ -100,8 +108,9 @@ def profile_cpu_prefill(
     provenance = {
         "kind": "measured by nanocp on CPU (tiny model, fp32), then Eq. 1 fitted (weighted least squares, >= 0)",
         "method": "chunk of L tokens after C history tokens on SP instances 0..sp-1 of SpPrefillExecutor; "
-        "critical-path latency (each member's compute measured, waits carry the sender's clock: one core per "
-        "instance, in-process links, copies counted in the sender's compute); min over repeats",
+        "critical-path latency (each member's compute measured in thread CPU time, waits carry the sender's clock: "
+        "one core per instance, in-process links, copies counted in the sender's compute); one untimed warm-up per "
+        "(mode, SP), then rounds over the grid, min per point",
         "model": model.config.name or "tiny",
         "grid": {"contexts": list(contexts), "lengths": list(lengths), "sp": list(sp_sizes), "repeats": repeats},
         "samples": {mode: {str(sp): rows for sp, rows in by_sp.items()} for mode, by_sp in samples.items()},
@@ -110,7 +119,7 @@ def profile_cpu_prefill(
             "python": platform.python_version(),
             "torch": torch.__version__,
             "cpu_count": os.cpu_count(),
-            "torch_threads": threads,
+            "torch_threads": 1,
             "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
         },
         "seconds_spent": round(time.time() - started, 1),

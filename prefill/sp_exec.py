@@ -11,15 +11,15 @@ move raises (never hangs). For every chunk the executor computes, from its bookk
   group, never produced by the CDSP planner, hand over everything);
 - each member's block sizes for the ring / all-gather layout.
 
-Timing (optional): a `CriticalPathClock` measures every resumption of every member and carries the sender's clock
-across each signal, which gives the chunk's latency as if every member ran on its own core (the profile of
-`nanocp profile prefill`); fabric copies are counted in the sender's compute.
+Timing (optional): a `CriticalPathClock` measures every resumption of every member (thread CPU time) and carries the
+sender's clock across each signal, which gives the chunk's latency as if every member ran on its own core (the
+profile of `nanocp profile prefill`); fabric copies are counted in the sender's compute.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -118,9 +118,13 @@ def balance_plan(holdings: dict[int, int], group: Sequence[int]) -> BalancePlan:
 
 class CriticalPathClock:
     """Per-instance logical clocks: compute segments are measured; a wait ends no earlier than the signals it
-    waited for (carrying the sender's clock at signal time)."""
+    waited for (carrying the sender's clock at signal time).
 
-    def __init__(self, world: int) -> None:
+    The default timer is the driver thread's CPU time: with one intra-op thread it counts exactly the compute of
+    the resumed instance and nothing of the time the thread spends descheduled on a shared machine."""
+
+    def __init__(self, world: int, timer: Callable[[], float] = time.thread_time) -> None:
+        self.timer = timer
         self.clock = [0.0] * world
         self._segment_start = [0.0] * world
         self._stamps: dict[tuple[int, int], float] = {}
@@ -133,13 +137,13 @@ class CriticalPathClock:
         if wait is not None:
             seen = [self._stamps.get((rank, flag), 0.0) for flag, _ in wait.flags]
             self.clock[rank] = max([self.clock[rank], *seen])
-        self._segment_start[rank] = time.perf_counter()
+        self._segment_start[rank] = self.timer()
 
     def end(self, rank: int) -> None:
-        self.clock[rank] += time.perf_counter() - self._segment_start[rank]
+        self.clock[rank] += self.timer() - self._segment_start[rank]
 
     def on_signal(self, src: int, dst: int, flag: int) -> None:
-        self._stamps[(dst, flag)] = self.clock[src] + time.perf_counter() - self._segment_start[src]
+        self._stamps[(dst, flag)] = self.clock[src] + self.timer() - self._segment_start[src]
 
 
 def drive(steps: dict[int, object], instances: Sequence[PrefillInstance], clock: CriticalPathClock | None) -> dict:
