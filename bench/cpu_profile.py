@@ -57,6 +57,8 @@ from .latency_profile import (
 
 PROFILE_NAME = "cpu-tiny"
 RUN_ITERATION_OFFSET = 1_000_000
+SPIKE_RATIO = 2.0  # a record this many times its first fit (plus SPIKE_FLOOR_S) is a contention spike
+SPIKE_FLOOR_S = 50e-6
 THREADS_CORE_CANDIDATES = tuple(float(x) for x in np.round(np.geomspace(0.5, 16.0, 36), 3))
 
 
@@ -298,18 +300,28 @@ def zero_base(shape: ModelShape, instances_per_node: int) -> dict[str, Any]:
 def fit_cpu_profile(
     samples: Sequence[StepSample], records: Sequence[Any], shape: ModelShape, instances_per_node: int, backend: str
 ) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The fitted profile dict and fit statistics (errors on the sweep's own steps)."""
+    """The fitted profile dict and fit statistics (errors on the sweep's own steps).
+
+    Other processes on the machine only ever make a phase slower (the process is descheduled), so the fit is
+    trimmed on one side: records more than SPIKE_RATIO x their first fit are dropped and the phases refitted; the
+    host phase is fitted the same way on the step times.
+    """
     if len(samples) < 4:
         raise ProfilingError(f"need at least 4 timed iterations to fit, got {len(samples)}")
     recs = profile_records(records, shape)
-    profile = fit_profile_from_timing_log(recs, zero_base(shape, instances_per_node), PROFILE_NAME)
+    base = zero_base(shape, instances_per_node)
+    first = fit_profile_from_timing_log(recs, base, PROFILE_NAME)
+    kept = _drop_spikes(recs, LatencyProfile.from_dict(first), instances_per_node)
+    profile = fit_profile_from_timing_log(kept, base, PROFILE_NAME)
     candidates = (1.0,) if backend == "inline" else THREADS_CORE_CANDIDATES
     fits = [_calibrate(profile, samples, cores, instances_per_node) for cores in candidates]
-    profile, ape = min(fits, key=lambda f: float(np.median(f[1])))
+    profile, ape, steps_kept = min(fits, key=lambda f: float(np.median(f[1])))
     stats = {
         "records": len(records),
         "fit_records": len(recs),
+        "fit_records_dropped_as_spikes": len(recs) - len(kept),
         "iterations": len(samples),
+        "iterations_dropped_as_spikes_in_host_fit": len(samples) - steps_kept,
         "shared_cores": profile["cluster"]["shared_cores"],
         "sweep_median_ape": float(np.median(ape)),
         "sweep_p90_ape": float(np.percentile(ape, 90)),
@@ -317,19 +329,40 @@ def fit_cpu_profile(
     return profile, stats
 
 
+def _record_prediction(model: LatencyProfile, rec: dict[str, Any], num_instances: int) -> float:
+    if rec["phase"] == "cp_comm":
+        return float(model.links[rec["link"]].time(rec["bytes"]))
+    cost = model.phase(rec["phase"], num_instances)
+    return float(cost(**{f: rec[f] for f in PHASE_FEATURES[rec["phase"]]}))
+
+
+def _drop_spikes(recs: list[dict[str, Any]], model: LatencyProfile, num_instances: int) -> list[dict[str, Any]]:
+    limit = [SPIKE_RATIO * _record_prediction(model, r, num_instances) + SPIKE_FLOOR_S for r in recs]
+    return [r for r, lim in zip(recs, limit) if r["seconds"] <= lim]
+
+
 def _calibrate(
     fitted: dict[str, Any], samples: Sequence[StepSample], cores: float, instances_per_node: int
-) -> tuple[dict[str, Any], np.ndarray]:
-    """Set shared_cores, fit the host phase to the step times' residual; return the profile and its errors."""
+) -> tuple[dict[str, Any], np.ndarray, int]:
+    """Set shared_cores, fit the host phase to the step times' residual (trimmed like the phases); return the
+    profile, its errors on every sample and how many samples the host fit kept."""
     profile = json.loads(json.dumps(fitted))
     profile["cluster"]["shared_cores"] = cores
     profile["phases"].pop("host", None)
     model = LatencyProfile.from_dict(profile)
-    residual = [{"batch": s.running, "seconds": s.wall_s - s.predict(model, instances_per_node)} for s in samples]
-    profile["phases"]["host"] = fit_linear_cost(residual, ("batch",))
+    work = np.array([s.predict(model, instances_per_node) for s in samples])  # [S] instance side
+    wall = np.array([s.wall_s for s in samples])  # [S]
+    running = [s.running for s in samples]
+    keep = np.ones(len(samples), dtype=bool)
+    for _ in range(2):  # fit, drop the spikes, refit
+        residual = [{"batch": running[k], "seconds": wall[k] - work[k]} for k in np.nonzero(keep)[0]]
+        host = fit_linear_cost(residual, ("batch",))
+        pred = work + host["const"] + host["batch"] * np.asarray(running)
+        keep = wall <= SPIKE_RATIO * pred + SPIKE_FLOOR_S
+    profile["phases"]["host"] = host
     final = LatencyProfile.from_dict(profile)
     ape = np.array([abs(s.predict(final, instances_per_node) - s.wall_s) / s.wall_s for s in samples])
-    return profile, ape
+    return profile, ape, int(keep.sum())
 
 
 # ---------------------------------------------------------------------------------------------------------------

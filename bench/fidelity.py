@@ -72,8 +72,11 @@ def make_requests(cfg: FidelityConfig) -> list[_Request]:
     return out
 
 
-def run_once(cfg: FidelityConfig, backend: str, requests: list[_Request]) -> list[StepSample]:
-    """Serve the workload once; every step's sample (admission steps included, marked)."""
+def run_once(
+    cfg: FidelityConfig, backend: str, requests: list[_Request], timing_log: Path | None = None
+) -> list[StepSample]:
+    """Serve the workload once; every step's sample (admission steps included, marked). With `timing_log`, the
+    instances' PhaseRecords are written there as JSON lines (input for `nanocp breakdown`)."""
     from nanocp import LLM, SamplingParams
     from nanocp.control_plane import CPBucketTable
 
@@ -83,6 +86,7 @@ def run_once(cfg: FidelityConfig, backend: str, requests: list[_Request]) -> lis
         backend=backend,
         cp_buckets=CPBucketTable(cfg.cp_max_lens, cfg.cp_degrees),
         kv_capacity_tokens=cfg.kv_capacity_tokens,
+        timing=timing_log is not None,
     )
     try:
         engine = llm.engine
@@ -99,12 +103,16 @@ def run_once(cfg: FidelityConfig, backend: str, requests: list[_Request]) -> lis
             if engine.has_unfinished():
                 samples.append(recorder.step())
             step += 1
+        if timing_log is not None:
+            with open(timing_log, "w", encoding="utf-8") as f:
+                f.writelines(json.dumps(asdict(r)) + "\n" for r in engine.timing_records())
         return samples
     finally:
         llm.close()
 
 
-def run_fidelity(cfg: FidelityConfig | None = None, log=print) -> dict[str, Any]:
+def run_fidelity(cfg: FidelityConfig | None = None, log=print, timing_log: Path | None = None) -> dict[str, Any]:
+    """Every repeat of the workload, predicted vs measured; the first repeat's PhaseRecords go to `timing_log`."""
     cfg = cfg or FidelityConfig()
     profile = LatencyProfile.load(cfg.profile)
     backend = cfg.backend or profile.raw.get("provenance", {}).get("sweep", {}).get("backend", "inline")
@@ -113,7 +121,7 @@ def run_fidelity(cfg: FidelityConfig | None = None, log=print) -> dict[str, Any]
     before = machine_info()
     runs = []
     for r in range(cfg.repeats):
-        runs.append(run_once(cfg, backend, requests))
+        runs.append(run_once(cfg, backend, requests, timing_log if r == 0 else None))
         log(f"repeat {r}: {len(runs[-1])} steps")
     per_node = profile.instances_per_node
     rows = []

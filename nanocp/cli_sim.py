@@ -217,7 +217,7 @@ def cmd_profile_decode(args: argparse.Namespace) -> int:
         backend=args.backend,
         seed=args.seed,
     )
-    command = "nanocp " + " ".join(sys.argv[1:]) if sys.argv[0].endswith("nanocp") else " ".join(sys.argv)
+    command = "nanocp " + " ".join(sys.argv[1:])  # also when run as `python -m nanocp.cli`
     profile, stats = cpu_profile.profile_decode(sweep, command=command, timing_log=args.timing_log)
     path = cpu_profile.write_profile(profile, args.out)
     print(f"wrote {path}: {stats['records']} timing records, {stats['iterations']} iterations, {stats['wall_s']:.0f} s")
@@ -230,7 +230,7 @@ def cmd_profile_fidelity(args: argparse.Namespace) -> int:
     cfg = fidelity.FidelityConfig(
         profile=args.profile, num_requests=args.requests, repeats=args.repeats, backend=args.backend, seed=args.seed
     )
-    result = fidelity.run_fidelity(cfg)
+    result = fidelity.run_fidelity(cfg, timing_log=args.timing_log)
     _print_paths(fidelity.write_fidelity(result, _results_dir(args)))
     s = result["summary"]
     print(f"median absolute percentage error {s['median_ape']:.1%} over {s['iterations']} iterations")
@@ -341,4 +341,5 @@ def _register_profile(subparsers: argparse._SubParsersAction) -> None:
     fid.add_argument("--backend", default=None, choices=["inline", "threads"], help="default: the profile's")
     fid.add_argument("--seed", type=int, default=0)
     fid.add_argument("--results-dir", type=Path, default=None)
+    fid.add_argument("--timing-log", type=Path, default=None, help="write the first run's PhaseRecords (JSON lines)")
     fid.set_defaults(func=cmd_profile_fidelity)

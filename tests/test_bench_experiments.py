@@ -406,6 +406,22 @@ def test_cpu_fit_recovers_a_known_cluster():
         fit_cpu_profile(samples[:3], records, truth.model, 4, "inline")
 
 
+def test_cpu_fit_drops_contention_spikes():
+    """Other processes only slow phases down: 5% of records at 5x and 5% of steps at 3x leave the fit unchanged."""
+    truth = truth_profile()
+    rng = np.random.default_rng(2)
+    records, samples = synthetic_cpu_run(truth, rng)
+    spiky = [replace(r, seconds=r.seconds * 5) if rng.random() < 0.05 and r.seconds > 1e-4 else r for r in records]
+    for s in samples:
+        if rng.random() < 0.05:
+            s.wall_s *= 3
+    profile, stats = fit_cpu_profile(samples, spiky, truth.model, 4, "inline")
+    assert stats["fit_records_dropped_as_spikes"] > 0 and stats["iterations_dropped_as_spikes_in_host_fit"] > 0
+    for phase in ("attention", "dense", "expert", "moe_dispatch"):
+        assert profile["phases"][phase] == pytest.approx(truth.raw["phases"][phase], rel=1e-6, abs=1e-12), phase
+    assert profile["phases"]["host"] == pytest.approx({"const": 0.004, "batch": 0.0002}, rel=1e-6)
+
+
 def test_sweep_config_validation():
     with pytest.raises(RuntimeError):
         SweepConfig(cp_degrees=(8,))
