@@ -313,6 +313,7 @@ def markdown_summary(doc: dict) -> str:
         f"--request-rate {c['request_rate']} --burstiness {c['burstiness']} --max-tokens-cap {c['max_tokens_cap']}`"
         f" against {c['base_url']} ({c['endpoint']}). Measured on this machine (CPU), not a GPU model.",
         "",
+        *([c["notes"], ""] if c.get("notes") else []),
         "| metric | value |",
         "|---|---|",
         f"| completed / failed | {s['completed']} / {s['failed']} |",
@@ -387,6 +388,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--result-file", default=None, help="write the JSON results here")
     p.add_argument("--markdown-file", default=None, help="write a markdown summary here")
     p.add_argument("--disable-tqdm", action="store_true")
+    p.add_argument("--notes", default="", help="free text stored with the results (e.g. the server's command line)")
 
 
 def check_arguments(args: argparse.Namespace) -> None:
