@@ -4,12 +4,17 @@ This is the readable statement of the algorithm. The C++ core (csrc/scheduler.cp
 decisions, and tests drive both with random workloads and require them to agree step for step. Requests are
 integer handles here; `GlobalScheduler` maps string ids onto them.
 
-One call of `step()` is one decode iteration:
+One call of `step(num_steps=k)` is one decode iteration (k decode steps with multi-step execution):
   1. finish requests that have done all their decode iterations (pages freed);
   2. the policy rebalances MoE bindings of running requests (nanocp only);
-  3. every running request gains one token of KV on its MoE instance (growth; may move the binding or preempt);
-  4. waiting requests are placed in queue order; a request that does not fit waits, later ones may still go;
-  5. every request in the batch counts one decode iteration.
+  3. every running request reserves KV for its window w = max(1, min(k, decode steps it has left)) tokens on its
+     MoE instance (growth; may move the binding or preempt);
+  4. waiting requests are placed in queue order, with a full window if it fits, else a window of one; a request
+     that does not fit waits, later ones may still go;
+  5. every request in the batch counts its window's decode steps.
+
+Every shard holds a slot of its instance's block-table store from creation until its request ends; lowering lists
+only the frames added since the last table lowered for each instance (see lowering.py).
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .cp_buckets import CPBucketTable
-from .lowering import lower_reference
+from .lowering import EMPTY_STORE, ShardInput, lower_reference
 from .page_table import GlobalPageTable
 from .spec import ClusterSpec, SchedulerError
 from .waterfill import waterfill
@@ -27,13 +32,35 @@ from .waterfill import waterfill
 WAITING, RUNNING, FINISHED = 0, 1, 2
 POLICIES = ("nanocp", "least-batch", "least-cache", "round-robin", "uniform-cp", "medha", "csps")
 CSPS_DEFAULT_PARTITION = 65536  # CSPS's sequence-partition length without TP (its paper, Sec. 4.2)
+MAX_NUM_STEPS = 2**31 - 1  # num_steps travels in the int32 routing-table header
 
 
 @dataclass
 class Shard:
     instance: int
+    slot: int  # row of the instance's block-table store
     tokens: int = 0
     pages: list[int] = field(default_factory=list)  # logical page ids in token order
+    emitted: int = 0  # pages already listed in a table lowered for this instance
+
+
+@dataclass
+class SlotAllocator:
+    """Block-table store slots of one instance: the most recently freed slot first, else the lowest never used.
+
+    So the slots in use stay below the instance's peak number of shards."""
+
+    free: list[int] = field(default_factory=list)  # freed slots, the next to reuse at the back
+    high: int = 0  # slots 0..high-1 have been handed out at least once
+
+    def alloc(self) -> int:
+        if self.free:
+            return self.free.pop()
+        self.high += 1
+        return self.high - 1
+
+    def release(self, slot: int) -> None:
+        self.free.append(slot)
 
 
 @dataclass
@@ -45,6 +72,7 @@ class Request:
     status: int = WAITING
     admit_seq: int = -1  # order of (re-)admission; the largest is "most recently admitted"
     moe: int = -1
+    window: int = 1  # decode steps this iteration (KV reserved for them on the MoE instance)
     shards: list[Shard] = field(default_factory=list)  # KV binding, in binding order
 
     @property
@@ -105,10 +133,13 @@ class ReferenceCore:
         self.kv_tokens = [0] * n
         self.moe_batch = [0] * n
         self.num_shards = [0] * n
+        self.slots = [SlotAllocator() for _ in range(n)]
+        self.lowered_seq = [EMPTY_STORE] * n  # per instance: iteration of the last table lowered for it
         self.requests: dict[int, Request] = {}
         self.waiting: list[int] = []  # handles in queue order
         self.running: list[int] = []  # handles in batch order (admission order)
         self.iteration = -1  # index of the last planned iteration
+        self.num_steps = 1  # decode steps the last plan covers (multi-step execution)
         self.rr_cursor = 0
         self._admit_counter = 0
         self._finished_pending: list[int] = []
@@ -161,7 +192,12 @@ class ReferenceCore:
 
     # ---------------------------------------------------------------- one iteration
 
-    def step(self) -> None:
+    def step(self, num_steps: int = 1) -> None:
+        """Plan one iteration that the data plane may run for up to `num_steps` decode steps (multi-step): each
+        request reserves KV for min(num_steps, decode iterations it has left) tokens up front (its window)."""
+        if not 1 <= num_steps <= MAX_NUM_STEPS:
+            raise SchedulerError(f"num_steps must be between 1 and {MAX_NUM_STEPS}, got {num_steps}")
+        self.num_steps = num_steps
         self.iteration += 1
         self.last_admitted, self.last_preempted, self.last_rejected = [], [], []
         self._finish_completed()
@@ -171,10 +207,10 @@ class ReferenceCore:
         for handle in list(self.running):
             req = self.requests[handle]
             if req.status == RUNNING:
-                self._grow(req)
+                self._grow(req, self._window(req))
         self._admit_waiting()
         for handle in self.running:
-            self.requests[handle].decode_steps += 1
+            self.requests[handle].decode_steps += self.requests[handle].window
 
     def _finish_completed(self) -> None:
         done = [h for h in self.running if self.requests[h].decode_steps >= self.requests[h].max_new_tokens - 1]
@@ -203,11 +239,16 @@ class ReferenceCore:
 
     # ---------------------------------------------------------------- growth by one token
 
-    def _has_room(self, req: Request, instance: int) -> bool:
+    def _window(self, req: Request) -> int:
+        """Tokens a request decodes in this iteration: num_steps, or fewer when it has fewer left."""
+        return max(1, min(self.num_steps, req.max_new_tokens - 1 - req.decode_steps))
+
+    def _has_room(self, req: Request, instance: int, n: int) -> bool:
+        """Can `instance` take n more tokens of this request (the free tail of its shard there plus free pages)?"""
         shard = req.shard_on(instance)
-        if shard is not None and shard.tokens % self.spec.page_size != 0:
-            return True
-        return self.pages.free_frames(instance) > 0
+        page = self.spec.page_size
+        tail_free = (-shard.tokens) % page if shard is not None else 0
+        return tail_free + self.pages.free_frames(instance) * page >= n
 
     def _batch_open(self, instance: int) -> bool:
         """Can one more request's MoE binding move to `instance` (max_batch_per_instance, 0 = unbounded)?"""
@@ -220,20 +261,20 @@ class ReferenceCore:
                 best = i
         return best
 
-    def _growth_target(self, req: Request) -> int:
-        """Where the new token goes: the MoE instance, else a binding member, else the node, else anywhere.
+    def _growth_target(self, req: Request, n: int) -> int:
+        """Where the n new tokens go: the MoE instance, else a binding member, else the node, else anywhere.
 
-        Medha: once the tail shard holds N tokens, the request gains a new instance (not yet in its binding)."""
-        if self.policy == "medha" and req.shard_on(req.moe).tokens >= self.policy_arg:
+        Medha: once the tail shard would pass N tokens, the request gains a new instance (not yet in its binding)."""
+        if self.policy == "medha" and req.shard_on(req.moe).tokens + n > self.policy_arg:
             members = {s.instance for s in req.shards}
             node = self.spec.node_instances(self.spec.node_of(req.moe))
             for tier in (node, range(self.spec.num_instances)):
-                fresh = [i for i in tier if i not in members and self.pages.free_frames(i) > 0 and self._batch_open(i)]
+                fresh = [i for i in tier if i not in members and self._has_room(req, i, n) and self._batch_open(i)]
                 target = self._least_kv(fresh)
                 if target >= 0:
                     return target
             return -1
-        if self._has_room(req, req.moe):
+        if self._has_room(req, req.moe, n):
             return req.moe
         tiers = (
             [s.instance for s in req.shards],
@@ -241,14 +282,14 @@ class ReferenceCore:
             list(range(self.spec.num_instances)),
         )
         for tier in tiers:
-            target = self._least_kv([i for i in tier if self._has_room(req, i) and self._batch_open(i)])
+            target = self._least_kv([i for i in tier if self._has_room(req, i, n) and self._batch_open(i)])
             if target >= 0:
                 return target
         return -1
 
-    def _grow(self, req: Request) -> None:
+    def _grow(self, req: Request, n: int) -> None:
         while True:
-            target = self._growth_target(req)
+            target = self._growth_target(req, n)
             if target >= 0:
                 break
             victim = max(self.running, key=lambda h: self.requests[h].admit_seq)
@@ -259,12 +300,15 @@ class ReferenceCore:
             self.moe_batch[req.moe] -= 1
             self.moe_batch[target] += 1
             req.moe = target
-        shard = req.shard_on(target)
-        if shard is None:
-            shard = Shard(target)
-            req.shards.append(shard)
-            self.num_shards[target] += 1
-        self._add_tokens(shard, 1)
+        shard = req.shard_on(target) or self._new_shard(req, target)
+        self._add_tokens(shard, n)
+        req.window = n
+
+    def _new_shard(self, req: Request, instance: int) -> Shard:
+        shard = Shard(instance, self.slots[instance].alloc())
+        req.shards.append(shard)
+        self.num_shards[instance] += 1
+        return shard
 
     def _add_tokens(self, shard: Shard, n: int) -> None:
         page = self.spec.page_size
@@ -276,6 +320,7 @@ class ReferenceCore:
     def _release(self, req: Request) -> None:
         for shard in req.shards:
             self.pages.free(shard.pages)
+            self.slots[shard.instance].release(shard.slot)
             self.kv_tokens[shard.instance] -= shard.tokens
             self.num_shards[shard.instance] -= 1
         self.moe_batch[req.moe] -= 1
@@ -295,11 +340,16 @@ class ReferenceCore:
         still_waiting = []
         for handle in self.waiting:
             req = self.requests[handle]
-            if req.prompt_len + req.decode_steps > self.max_context():
+            context = req.prompt_len + req.decode_steps
+            if context > self.max_context():
                 del self.requests[handle]
                 self.last_rejected.append(handle)
                 continue
-            placement = None if handle in preempted_now else self._place(req.prompt_len + req.decode_steps)
+            window = self._window(req)
+            placement = None
+            if handle not in preempted_now:
+                # A full window first; a window of one always fits an empty cluster (max_context), so never stall.
+                placement = self._place(context, window) or (window > 1 and self._place(context, 1)) or None
             if placement is None:
                 still_waiting.append(handle)
             else:
@@ -312,19 +362,25 @@ class ReferenceCore:
         page = self.spec.page_size
         return all(-(-n // page) <= self.pages.free_frames(i) for i, n in split.items())
 
-    def _place(self, context: int) -> tuple[int, dict[int, int]] | None:
-        """Policy decision for a request with `context` tokens: (moe instance, {instance: tokens}) or None.
+    def _place(self, context: int, window: int) -> tuple[int, dict[int, int], int] | None:
+        """Policy decision for a request with `context` tokens: (moe instance, {instance: tokens}, window) or None.
 
-        The split includes the iteration's new token on the MoE instance.
+        The split includes the iteration's `window` new tokens on the MoE instance.
         """
         if self.policy == "nanocp":
-            return self._place_nanocp(context)
-        if self.policy == "uniform-cp":
-            return self._place_uniform(context)
-        if self.policy == "medha":
-            return self._place_medha(context)
-        if self.policy == "csps":
-            return self._place_csps(context)
+            placed = self._place_nanocp(context, window)
+        elif self.policy == "uniform-cp":
+            placed = self._place_uniform(context, window)
+        elif self.policy == "medha":
+            placed = self._place_medha(context, window)
+        elif self.policy == "csps":
+            placed = self._place_csps(context, window)
+        else:
+            placed = self._place_single(context, window)
+        return None if placed is None else (*placed, window)
+
+    def _place_single(self, context: int, window: int) -> tuple[int, dict[int, int]] | None:
+        """CP = 1 baselines: least-batch, least-cache, round-robin."""
         n = self.spec.num_instances
         if self.policy == "least-batch":
             # vLLM's DP balancing looks at the batch only; SGLang-style least-cache at KV only.
@@ -333,7 +389,7 @@ class ReferenceCore:
             target = min(range(n), key=lambda i: (self.kv_tokens[i], i))
         else:  # round-robin
             target = self.rr_cursor
-        split = {target: context + 1}
+        split = {target: context + window}
         if not self._can_allocate(target, split):
             return None
         if self.policy == "round-robin":
@@ -343,7 +399,7 @@ class ReferenceCore:
     def _node_owned(self, node: int) -> int:
         return sum(self.moe_batch[i] for i in self.spec.node_instances(node))
 
-    def _place_nanocp(self, context: int) -> tuple[int, dict[int, int]] | None:
+    def _place_nanocp(self, context: int, window: int) -> tuple[int, dict[int, int]] | None:
         # The bucket's degree, raised to the least degree whose even split fits an instance (else it never fits).
         room = self.spec.frames_per_instance * self.spec.page_size - 1
         cp = min(max(self.cp_buckets.lookup(context), -(-context // room)), self.spec.instances_per_node)
@@ -356,12 +412,12 @@ class ReferenceCore:
             participants = [moe, *others]
             tokens = waterfill([self.kv_tokens[i] for i in participants], context)
             split = {i: t for i, t in zip(participants, tokens) if t > 0 or i == moe}
-            split[moe] += 1
+            split[moe] += window
             if self._can_allocate(moe, split):
                 return moe, split
         return None
 
-    def _place_uniform(self, context: int) -> tuple[int, dict[int, int]] | None:
+    def _place_uniform(self, context: int, window: int) -> tuple[int, dict[int, int]] | None:
         k = self.policy_arg
         groups = range(self.spec.num_instances // k)
 
@@ -374,13 +430,13 @@ class ReferenceCore:
         moe = min(members, key=lambda i: (self.moe_batch[i], self.kv_tokens[i], i))
         base, extra = divmod(context, k)
         split = {i: base + (1 if j < extra else 0) for j, i in enumerate(members)}
-        split[moe] += 1
+        split[moe] += window
         split = {i: t for i, t in split.items() if t > 0}
         if not self._can_allocate(moe, split):
             return None
         return moe, split
 
-    def _place_medha(self, context: int) -> tuple[int, dict[int, int]] | None:
+    def _place_medha(self, context: int, window: int) -> tuple[int, dict[int, int]] | None:
         """Medha's KV parallelism: groups of N tokens on the least-loaded instances; every group but the last is
         full; the last one takes the rest, the new token and the MoE binding."""
         n_groups = context // self.policy_arg + 1
@@ -389,17 +445,17 @@ class ReferenceCore:
         members = sorted(range(self.spec.num_instances), key=lambda i: (self.kv_tokens[i], i))[:n_groups]
         split = {i: self.policy_arg for i in members[:-1]}
         moe = members[-1]
-        split[moe] = context - self.policy_arg * (n_groups - 1) + 1
+        split[moe] = context - self.policy_arg * (n_groups - 1) + window
         return (moe, split) if self._can_allocate(moe, split) else None
 
-    def _place_csps(self, context: int) -> tuple[int, dict[int, int]] | None:
+    def _place_csps(self, context: int, window: int) -> tuple[int, dict[int, int]] | None:
         """CSPS's SP decode: a request longer than the partition length S is split into ceil(L/S) near-equal
         contiguous partitions on the least-loaded instances of the node with the least KV, next to short requests;
         the last partition holds the MoE binding and the new tokens. Short requests go whole to the instance with
         the fewest running requests."""
         if context <= self.policy_arg:
             target = min(range(self.spec.num_instances), key=lambda i: (self.moe_batch[i], self.kv_tokens[i], i))
-            split = {target: context + 1}
+            split = {target: context + window}
             return (target, split) if self._can_allocate(target, split) else None
         room = self.spec.frames_per_instance * self.spec.page_size - 1
         parts = min(max(-(-context // self.policy_arg), -(-context // room)), self.spec.instances_per_node)
@@ -411,24 +467,22 @@ class ReferenceCore:
         base, extra = divmod(context, parts)
         split = {i: base + (1 if j < extra else 0) for j, i in enumerate(members)}
         moe = members[-1]
-        split[moe] += 1
+        split[moe] += window
         return (moe, split) if self._can_allocate(moe, split) else None
 
-    def _commit(self, req: Request, moe: int, split: dict[int, int]) -> None:
+    def _commit(self, req: Request, moe: int, split: dict[int, int], window: int) -> None:
         recompute = req.decode_steps > 0
         order = [moe] + [i for i in split if i != moe]
         for i in order:
-            shard = Shard(i)
-            req.shards.append(shard)
-            self.num_shards[i] += 1
-            self._add_tokens(shard, split[i])
+            self._add_tokens(self._new_shard(req, i), split[i])
         req.moe = moe
         self.moe_batch[moe] += 1
         req.status = RUNNING
         req.admit_seq = self._admit_counter
         self._admit_counter += 1
         self.running.append(req.handle)
-        self.last_admitted.append((req.handle, req.context_len - 1, recompute))
+        req.window = window
+        self.last_admitted.append((req.handle, req.context_len - window, recompute))
 
     # ---------------------------------------------------------------- views used by tests and the facade
 
@@ -447,13 +501,36 @@ class ReferenceCore:
         req = self.requests[handle]
         return req.prompt_len, req.max_new_tokens, req.decode_steps, req.status, req.moe
 
-    def lower_all(self) -> list[np.ndarray]:
+    def lower_all(self, full: bool = False) -> list[np.ndarray]:
+        """Every instance's routing table of the current iteration: incremental block tables (the frames added
+        since the last table lowered for the instance), or full snapshots. Either marks the frames as listed."""
+        return self._lower(range(self.spec.num_instances), full)
+
+    def lower(self, instance: int, full: bool = False) -> np.ndarray:
+        """One instance's routing table (only its frames are marked as listed)."""
+        if not 0 <= instance < self.spec.num_instances:
+            raise IndexError(f"instance {instance} out of range [0, {self.spec.num_instances})")
+        return self._lower([instance], full)[instance]
+
+    def _lower(self, instances, full: bool) -> list[np.ndarray]:
+        page_frame = self.pages.page_frame
         batch = []
         for handle in self.running:
             req = self.requests[handle]
-            frames = [(i, t, f) for i, t, f in self.shard_pages(handle)]
-            batch.append((req.moe, req.context_len, frames))
-        return lower_reference(self.spec.num_instances, self.iteration, batch)
+            shards = [
+                ShardInput(s.instance, s.tokens, s.slot, [page_frame[p] for p in s.pages], s.emitted)
+                for s in req.shards
+            ]
+            batch.append((req.moe, req.context_len, req.window, shards))
+        tables = lower_reference(self.spec.num_instances, self.iteration, self.num_steps, batch, self.lowered_seq, full)
+        chosen = set(instances)
+        for handle in self.running:
+            for s in self.requests[handle].shards:
+                if s.instance in chosen:
+                    s.emitted = len(s.pages)
+        for i in chosen:
+            self.lowered_seq[i] = self.iteration
+        return tables
 
     def binding(self, handle: int) -> tuple[int, list[tuple[int, int]]]:
         req = self.requests[handle]
@@ -470,6 +547,7 @@ class ReferenceCore:
         kv, batch, shards, used = [0] * n, [0] * n, [0] * n, [0] * n
         seen_pages: set[int] = set()
         page = self.spec.page_size
+        slots_used: list[list[int]] = [[] for _ in range(n)]
         for handle in self.running:
             req = self.requests[handle]
             assert req.status == RUNNING
@@ -477,6 +555,8 @@ class ReferenceCore:
             batch[req.moe] += 1
             for s in req.shards:
                 assert s.tokens > 0 and len(s.pages) == -(-s.tokens // page)
+                assert 0 <= s.emitted <= len(s.pages)
+                slots_used[s.instance].append(s.slot)
                 kv[s.instance] += s.tokens
                 shards[s.instance] += 1
                 for p in s.pages:
@@ -487,6 +567,8 @@ class ReferenceCore:
         assert kv == self.kv_tokens and batch == self.moe_batch and shards == self.num_shards
         for i in range(n):
             assert used[i] + self.pages.free_frames(i) == self.spec.frames_per_instance
+            alloc = self.slots[i]
+            assert sorted(slots_used[i] + alloc.free) == list(range(alloc.high)), f"slots of instance {i}"
         assert self.pages.used_pages() == len(seen_pages)
         assert set(self.waiting) | set(self.running) == set(self.requests)
         assert not set(self.waiting) & set(self.running)

@@ -19,7 +19,7 @@ import numpy as np
 
 from .cp_buckets import CPBucketTable
 from .lowering import ExecShape, RoutingTables
-from .reference import RUNNING, ReferenceCore, parse_policy
+from .reference import MAX_NUM_STEPS, RUNNING, ReferenceCore, parse_policy
 from .spec import ClusterSpec, SchedulerError
 
 BACKENDS = ("cpp", "python")
@@ -88,6 +88,7 @@ class IterationPlan:
         self.finished = [names[h] for h in core.last_finished]
         self.preempted = [names[h] for h in core.last_preempted]
         self.rejected = [names[h] for h in core.last_rejected]
+        self._full_tables: list[np.ndarray] | None = None
 
     def _live_core(self):
         if self._sched.core.iteration != self.iteration:
@@ -114,8 +115,18 @@ class IterationPlan:
 
     @cached_property
     def tables(self) -> list[np.ndarray]:
-        """Per instance, the lowered int32 routing table (layout in lowering.py)."""
+        """Per instance, the lowered int32 routing table (layout in lowering.py) with incremental block tables:
+        each lists the frames added since the previous table lowered for its instance."""
         return list(self._live_core().lower_all())
+
+    def full_tables(self) -> list[np.ndarray]:
+        """Per instance, the same routing table as `tables` with a full block-table snapshot (for a fresh or
+        restarted instance, or one whose store missed a table). `tables` is lowered first, so the incremental
+        tables keep building on the previous iteration's."""
+        if self._full_tables is None:
+            self.tables  # noqa: B018 - lowered first (cached): it advances the incremental state
+            self._full_tables = list(self._live_core().lower_all(True))
+        return self._full_tables
 
     def routing(self, instance: int) -> RoutingTables:
         return RoutingTables.parse(self.tables[instance])
@@ -176,12 +187,18 @@ class GlobalScheduler:
         self.core.finish(handle)
         del self._handles[rid]  # the id is free again; the next plan still reports it as finished
 
-    def step(self) -> IterationPlan:
+    def step(self, num_steps: int = 1) -> IterationPlan:
+        """Plan the next iteration. With num_steps = k > 1 the plan covers up to k decode steps per request
+        (multi-step execution): KV for them is reserved up front; see IterationPlan / the lowering's `window`."""
+        if not isinstance(num_steps, (int, np.integer)) or isinstance(num_steps, bool):
+            raise SchedulerError(f"num_steps must be an int, got {num_steps!r}")
+        if not 1 <= num_steps <= MAX_NUM_STEPS:
+            raise SchedulerError(f"num_steps must be between 1 and {MAX_NUM_STEPS}, got {num_steps}")
         for handle in self._reported:
             rid = self._names.pop(handle)
             if self._handles.get(rid) == handle:
                 del self._handles[rid]
-        self.core.step()
+        self.core.step(int(num_steps))
         plan = IterationPlan(self)
         self._reported = set(self.core.last_finished) | set(self.core.last_rejected)
         return plan

@@ -1,9 +1,11 @@
 """The C++ control-plane core (`_core.SchedulerCore`) must make exactly the decisions of the Python reference.
 
 Random specs (tiny capacities force growth relocation, preemption and rejection), every policy, random CP bucket
-tables and random interleavings of add_request / finish / step / queries / invalid calls drive both cores; after
-every operation everything observable must agree: raised errors, last_* lists, batch, bindings, shard pages, loads,
-request info, routing tables (byte for byte), and both cores' invariants must hold.
+tables and random interleavings of add_request / finish / step (random num_steps: multi-step windows) / lowering
+(all instances or one, incremental or full snapshots) / queries / invalid calls drive both cores; after every
+operation everything observable must agree: raised errors, last_* lists, batch, bindings, shard pages, loads,
+request info, routing tables (byte for byte; lowering is stateful: both cores lower in lock step), and both cores'
+invariants must hold.
 """
 
 from __future__ import annotations
@@ -40,8 +42,14 @@ def make_pair(spec: ClusterSpec, policy: str, table: CPBucketTable, max_batch: i
     return ReferenceCore(spec, policy, table, max_batch), make_core(spec, policy, table, max_batch, "cpp")
 
 
-def assert_same_state(ref: ReferenceCore, cpp) -> None:
-    assert cpp.iteration == ref.iteration
+def assert_same_tables(want: list[np.ndarray], got: list[np.ndarray]) -> None:
+    assert len(got) == len(want)
+    for i, (a, b) in enumerate(zip(want, got)):
+        assert b.dtype == np.int32 and b.tobytes() == a.tobytes(), f"instance {i}"
+
+
+def assert_same_state(ref: ReferenceCore, cpp, lower: bool = True) -> None:
+    assert cpp.iteration == ref.iteration and cpp.num_steps == ref.num_steps
     assert list(cpp.last_admitted) == ref.last_admitted
     assert list(cpp.last_finished) == ref.last_finished
     assert list(cpp.last_preempted) == ref.last_preempted
@@ -53,11 +61,8 @@ def assert_same_state(ref: ReferenceCore, cpp) -> None:
     for handle in range(-1, HANDLES + 1):
         for query in ("request_info", "binding", "shard_pages"):
             assert outcome(getattr(cpp, query), handle) == outcome(getattr(ref, query), handle), (query, handle)
-    ref_tables, cpp_tables = ref.lower_all(), cpp.lower_all()
-    assert len(cpp_tables) == len(ref_tables)
-    for i, (want, got) in enumerate(zip(ref_tables, cpp_tables)):
-        assert got.dtype == np.int32 and got.tobytes() == want.tobytes(), f"instance {i}"
-        assert cpp.lower(i).tobytes() == want.tobytes(), f"lower({i})"
+    if lower:
+        assert_same_tables(ref.lower_all(), cpp.lower_all())
     ref.check_invariants()
     cpp.check_invariants()
 
@@ -94,7 +99,7 @@ def operations(draw, spec: ClusterSpec):
     cap = spec.frames_per_instance * spec.page_size
     ops = []
     for _ in range(draw(st.integers(1, 70))):
-        kind = draw(st.sampled_from(["add", "add", "step", "step", "step", "finish", "bad"]))
+        kind = draw(st.sampled_from(["add", "add", "step", "step", "step", "finish", "bad", "lower"]))
         handle = draw(st.integers(0, HANDLES - 1))
         if kind == "add":
             prompt = draw(st.integers(1, cap) | st.integers(1, spec.instances_per_node * cap + 2))
@@ -104,18 +109,31 @@ def operations(draw, spec: ClusterSpec):
         elif kind == "bad":
             prompt = draw(st.sampled_from([0, -3, 1, spec.num_instances * cap + 1, 2**40]))
             ops.append(("add", handle, prompt, draw(st.sampled_from([0, -1, 1, 2**40]))))
+        elif kind == "lower":  # one instance (or a bad index) or all, incremental or a full snapshot
+            instance = draw(st.integers(-1, spec.num_instances))
+            ops.append(("lower", instance if draw(st.booleans()) else None, draw(st.booleans())))
         else:
-            ops.append(("step",))
+            ops.append(("step", draw(st.sampled_from([1, 1, 1, 2, 3, 4, 8]) | st.sampled_from([0, -2, 2**31]))))
+        ops[-1] += (draw(st.booleans()),)  # lower every instance's tables after this operation?
     return ops
 
 
 def run_ops(ref: ReferenceCore, cpp, ops) -> None:
     for op in ops:
-        name, *args = op
-        method = {"add": "add_request", "finish": "finish", "step": "step"}[name]
-        got, want = outcome(getattr(cpp, method), *args), outcome(getattr(ref, method), *args)
-        assert got[1] == want[1], op
-        assert_same_state(ref, cpp)
+        name, *args, lower_after = op
+        if name == "lower":
+            instance, full = args
+            if instance is None:
+                assert_same_tables(ref.lower_all(full), cpp.lower_all(full))
+            else:
+                got, want = outcome(cpp.lower, instance, full), outcome(ref.lower, instance, full)
+                assert got[1] == want[1], op
+                assert want[1] is not None or got[0].tobytes() == want[0].tobytes(), op
+        else:
+            method = {"add": "add_request", "finish": "finish", "step": "step"}[name]
+            got, want = outcome(getattr(cpp, method), *args), outcome(getattr(ref, method), *args)
+            assert got[1] == want[1], op
+        assert_same_state(ref, cpp, lower_after)
 
 
 @settings(max_examples=220, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
@@ -140,12 +158,12 @@ def test_long_run_under_memory_pressure(policy):
     for _ in range(300):
         for _ in range(rng.randrange(0, 4)):
             prompt = rng.choice([rng.randint(1, 20), rng.randint(20, 90), rng.randint(90, 300)])
-            run_ops(ref, cpp, [("add", next_handle, min(prompt, ref.max_context()), rng.randint(1, 60))])
+            run_ops(ref, cpp, [("add", next_handle, min(prompt, ref.max_context()), rng.randint(1, 60), True)])
             next_handle += 1
         if ref.requests and rng.random() < 0.2:
-            run_ops(ref, cpp, [("finish", rng.choice(sorted(ref.requests)))])
+            run_ops(ref, cpp, [("finish", rng.choice(sorted(ref.requests)), rng.random() < 0.5)])
         widths = {h: len(cpp.binding(h)[1]) for h in cpp.batch_handles().tolist()}
-        run_ops(ref, cpp, [("step",)])
+        run_ops(ref, cpp, [("step", rng.choice([1, 1, 2, 4]), rng.random() < 0.7)])
         preempted += len(cpp.last_preempted)
         grown += sum(len(cpp.binding(h)[1]) > w for h, w in widths.items() if h in ref.running)
     assert ref.iteration == 299
@@ -225,11 +243,15 @@ def test_bad_construction_arguments():
         assert str(got.value) == str(want.value)
 
 
-def test_lower_rejects_bad_instance():
+def test_lower_and_step_reject_bad_arguments():
     cpp = _core.SchedulerCore(1, 2, 64, 4, "nanocp", [8], [1], 0)
     for bad in (-1, 2):
         with pytest.raises(IndexError):
             cpp.lower(bad)
+    for bad in (0, -1, 2**31):
+        with pytest.raises(SchedulerError, match="num_steps must be between 1 and 2147483647"):
+            cpp.step(bad)
+    assert cpp.iteration == -1
 
 
 # ---------------------------------------------------------------- zero-copy tables stay valid
@@ -245,10 +267,12 @@ def test_tables_held_by_python_survive_later_steps():
         prompt, new = rng.randint(1, 1500), rng.randint(2, 40)
         for core in (ref, cpp):
             core.add_request(handle, prompt, new)
-        ref.step()
-        cpp.step()
-        tables = cpp.lower_all()
-        assert [t.tobytes() for t in tables] == [t.tobytes() for t in ref.lower_all()]
+        steps = rng.choice([1, 3])
+        ref.step(steps)
+        cpp.step(steps)
+        full = handle % 7 == 0
+        tables = cpp.lower_all(full)
+        assert [t.tobytes() for t in tables] == [t.tobytes() for t in ref.lower_all(full)]
         if handle % 3 == 0:
             held.append((tables, [t.tobytes() for t in tables]))
         if len(held) > 5:
@@ -267,9 +291,12 @@ def test_facade_plans_match_across_backends():
             prompt, new = rng.randint(1, 60_000), rng.randint(1, 300)
             for s in scheds:
                 s.add_request(f"r{t}.{k}", prompt, new)
-        plans = [s.step() for s in scheds]
+        steps = rng.choice([1, 2, 5])
+        plans = [s.step(steps) for s in scheds]
         assert plans[0].admitted == plans[1].admitted and plans[0].finished == plans[1].finished
         assert plans[0].preempted == plans[1].preempted and plans[0].rejected == plans[1].rejected
         assert plans[0].batch == plans[1].batch and plans[0].bindings == plans[1].bindings
         assert [a.tobytes() for a in plans[0].tables] == [a.tobytes() for a in plans[1].tables]
+        if t % 5 == 0:
+            assert [a.tobytes() for a in plans[0].full_tables()] == [a.tobytes() for a in plans[1].full_tables()]
         assert plans[0].cp_remote_shards == plans[1].cp_remote_shards

@@ -3,10 +3,44 @@
 // page ids (control_plane/page_table.py) never reach any output, so they are not kept here; the frame stacks follow
 // the reference exactly: the lowest frame comes first on a fresh instance, frees go back in reverse (LIFO reuse).
 #pragma once
+#include <algorithm>
 #include <cstdint>
+#include <cstring>
+#include <memory>
 #include <vector>
 
 namespace nanocp::sched {
+
+// A shard's frames in token order: a growable int32 array in 16 bytes (32-bit size and capacity), so a request's
+// first shard fits the request's first cache line next to its MoE binding.
+class FrameList {
+ public:
+  int32_t size() const { return size_; }
+  bool empty() const { return size_ == 0; }
+  const int32_t* data() const { return data_.get(); }
+  const int32_t* begin() const { return data_.get(); }
+  const int32_t* end() const { return data_.get() + size_; }
+  int32_t operator[](int32_t k) const { return data_[k]; }
+  void clear() { size_ = 0; }
+
+  // Room for n more frames; returns where they go (the caller writes all n).
+  int32_t* extend(int32_t n) {
+    if (size_ + n > cap_) {
+      const int32_t cap = std::max(size_ + n, cap_ + cap_ / 2 + 4);
+      std::unique_ptr<int32_t[]> grown(new int32_t[size_t(cap)]);
+      if (size_) std::memcpy(grown.get(), data_.get(), sizeof(int32_t) * size_t(size_));
+      data_ = std::move(grown);
+      cap_ = cap;
+    }
+    int32_t* out = data_.get() + size_;
+    size_ += n;
+    return out;
+  }
+
+ private:
+  std::unique_ptr<int32_t[]> data_;
+  int32_t size_ = 0, cap_ = 0;
+};
 
 class PageTable {
  public:
@@ -20,21 +54,41 @@ class PageTable {
   int32_t free_frames(int instance) const { return int32_t(free_[instance].size()); }
 
   // Append n frames of `instance` to `frames`; the caller checked there is room.
-  void alloc(int instance, int64_t n, std::vector<int32_t>& frames) {
+  void alloc(int instance, int64_t n, FrameList& frames) {
     auto& stack = free_[instance];
-    frames.insert(frames.end(), stack.rbegin(), stack.rbegin() + n);
+    std::copy(stack.rbegin(), stack.rbegin() + n, frames.extend(int32_t(n)));
     stack.resize(stack.size() - size_t(n));
   }
 
   // Return a shard's frames, last first (the reference frees in reverse token order).
-  void free(int instance, const std::vector<int32_t>& frames) {
-    free_[instance].insert(free_[instance].end(), frames.rbegin(), frames.rend());
+  void free(int instance, const FrameList& frames) {
+    auto& stack = free_[instance];
+    for (int32_t k = frames.size(); k-- > 0;) stack.push_back(frames[k]);
   }
 
   const std::vector<int32_t>& free_stack(int instance) const { return free_[instance]; }
 
  private:
   std::vector<std::vector<int32_t>> free_;  // per instance: free frames, next to allocate at the back
+};
+
+// Block-table store slots of one instance (reference.py SlotAllocator): the most recently freed slot first, else
+// the lowest never handed out, so the slots in use stay below the instance's peak number of shards.
+class SlotAllocator {
+ public:
+  int32_t alloc() {
+    if (free_.empty()) return high_++;
+    const int32_t slot = free_.back();
+    free_.pop_back();
+    return slot;
+  }
+  void release(int32_t slot) { free_.push_back(slot); }
+  int32_t high() const { return high_; }
+  const std::vector<int32_t>& free_list() const { return free_; }
+
+ private:
+  std::vector<int32_t> free_;
+  int32_t high_ = 0;
 };
 
 }  // namespace nanocp::sched

@@ -46,9 +46,9 @@ nb::object table_array(const std::shared_ptr<TableBuffer>& buf, size_t size) {
   return nb::cast(Int32Array(buf->data.get(), {size}, owner), nb::rv_policy::reference);
 }
 
-nb::object lower_all(SchedulerCore& core) {
+nb::object lower_all(SchedulerCore& core, bool full) {
   std::vector<size_t> offsets;
-  std::shared_ptr<TableBuffer> buf = core.lower_all(offsets);
+  std::shared_ptr<TableBuffer> buf = core.lower_all(offsets, full);
   nb::object whole = table_array(buf, offsets.back());
   const size_t n = offsets.size() - 1;
   nb::list out;
@@ -56,9 +56,9 @@ nb::object lower_all(SchedulerCore& core) {
   return out;
 }
 
-nb::object lower_one(SchedulerCore& core, int instance) {
+nb::object lower_one(SchedulerCore& core, int instance, bool full) {
   size_t size = 0;
-  std::shared_ptr<TableBuffer> buf = core.lower(instance, size);
+  std::shared_ptr<TableBuffer> buf = core.lower(instance, size, full);
   return table_array(buf, size);
 }
 
@@ -115,7 +115,7 @@ nb::list admitted(const SchedulerCore& core) {
 }  // namespace
 
 void bind_scheduler(nb::module_& m) {
-  m.attr("CORE_VERSION") = 1;
+  m.attr("CORE_VERSION") = 2;
   nb::register_exception_translator(translate_exceptions);
   nb::class_<SchedulerCore>(m, "SchedulerCore",
                             "C++ decode control-plane core; same interface and decisions as ReferenceCore.")
@@ -133,7 +133,9 @@ void bind_scheduler(nb::module_& m) {
       .def("add_request", &SchedulerCore::add_request, nb::arg("handle"), nb::arg("prompt_len"),
            nb::arg("max_new_tokens"))
       .def("finish", &SchedulerCore::finish, nb::arg("handle"))
-      .def("step", &SchedulerCore::step)
+      .def("step", &SchedulerCore::step, nb::arg("num_steps") = 1,
+           "Plan one iteration of num_steps decode steps (each request's window: fewer when its budget ends).")
+      .def_prop_ro("num_steps", &SchedulerCore::num_steps)
       .def("max_context", &SchedulerCore::max_context)
       .def_prop_ro("iteration", &SchedulerCore::iteration)
       .def_prop_ro("last_admitted", &admitted)
@@ -147,8 +149,11 @@ void bind_scheduler(nb::module_& m) {
            "(prompt_len, max_new_tokens, decode_steps, status, moe_instance)")
       .def("binding", &binding, nb::arg("handle"), "(moe_instance, [(instance, n_tokens), ...]) in binding order.")
       .def("shard_pages", &shard_pages, nb::arg("handle"), "[(instance, n_tokens, [frames])] in binding order.")
-      .def("lower_all", &lower_all, "Per instance, the int32 routing table of the current iteration.")
-      .def("lower", &lower_one, nb::arg("instance"), "One instance's int32 routing table.")
+      .def("lower_all", &lower_all, nb::arg("full") = false,
+           "Per instance, the int32 routing table of the current iteration (incremental block tables, or full "
+           "snapshots); the frames listed are marked as listed.")
+      .def("lower", &lower_one, nb::arg("instance"), nb::arg("full") = false,
+           "One instance's int32 routing table (only its frames are marked as listed).")
       .def("check_invariants", &SchedulerCore::check_invariants)
       .def_prop_ro("last_step_ns", &SchedulerCore::last_step_ns, "C++ wall time of the last step() (ns).")
       .def_prop_ro("last_lower_ns", &SchedulerCore::last_lower_ns,

@@ -2,10 +2,11 @@
 //
 // Same decisions as the reference, cheaper bookkeeping:
 //  - requests live in a slot pool (flat vector), handles map to slots once per API call;
-//  - decode_steps of running requests is implicit (offset + number of finished steps);
+//  - decode_steps of running requests is implicit (offset + decode steps of the finished iterations);
 //  - requests due to finish next step are collected while the growth pass visits them;
 //  - only multi-shard requests take part in MoE rebalancing, ordered by a stable counting sort;
-//  - every shard keeps its frames contiguous, so lowering memcpy's block tables into pooled output buffers.
+//  - every shard keeps its frames contiguous and a count of those already lowered, so lowering writes only the
+//    new block-table entries, into pooled output buffers; per-instance counters size every section up front.
 #pragma once
 #include <algorithm>
 #include <climits>
@@ -40,23 +41,27 @@ enum Policy : int { kNanoCP, kLeastBatch, kLeastCache, kRoundRobin, kUniformCP, 
 enum Status : int8_t { kWaiting = 0, kRunning = 1, kFree = -1 };
 
 struct Shard {
-  std::vector<int32_t> frames;  // [pages] frames on `instance`, in token order
+  FrameList frames;  // [pages] frames on `instance`, in token order
   int64_t tokens = 0;
   int32_t instance = -1;
-  bool has_room_in_tail(int64_t page) const { return int64_t(frames.size()) * page > tokens; }
+  int32_t slot = -1;    // row of the instance's block-table store
+  int32_t emitted = 0;  // frames already listed in a table lowered for `instance`
+  int64_t tail_room(int64_t page) const { return int64_t(frames.size()) * page - tokens; }
 };
+static_assert(sizeof(Shard) == 40, "a request's first shard and its growth state share one cache line");
 
 // One request. The first cache line holds all the growth pass touches: the first shard (the only one for most
-// requests) inline, the MoE binding and the step at which the decode budget runs out.
+// requests) inline, the MoE binding, this iteration's window and the point at which the decode budget runs out.
 struct alignas(64) Request {
   Shard first;             // shard 0 of the binding
   int32_t moe = -1;        // MoE instance (running only)
   int32_t moe_shard = -1;  // index of the shard on `moe`
   int32_t nshards = 0;     // live shards, in binding order: first, spill[0], spill[1], ...
-  int8_t status = kFree;
-  int64_t due_at = 0;  // running: out of decode budget after the step that ends with step_ends_ == due_at
+  int32_t window = 1;      // running: decode steps of this iteration (tokens reserved on the tail shard)
+  int64_t due_at = 0;  // running: out of decode budget once steps_done_ reaches due_at (= max_new_tokens - 1 - decode_base)
   // second line
-  int64_t decode_base = 0;  // waiting: decode_steps; running: decode_steps - finished steps
+  int8_t status = kFree;
+  int64_t decode_base = 0;  // waiting: decode_steps; running: decode_steps - steps_done_ (until the last window)
   int64_t max_new_tokens = 0;
   int64_t uid = -1;  // unique per add_request; tells stale list entries apart after slot reuse
   int64_t admit_seq = -1;
@@ -73,6 +78,7 @@ struct alignas(64) Request {
     return nshards ? total : 0;
   }
 };
+static_assert(sizeof(Shard) + 4 * sizeof(int32_t) + sizeof(int64_t) == 64, "growth state must fill one line");
 
 // An int32 output buffer shared with numpy; reused once Python has dropped every view of it.
 struct TableBuffer {
@@ -93,11 +99,13 @@ class SchedulerCore {
   SchedulerCore(int64_t num_nodes, int64_t instances_per_node, int64_t kv_capacity_tokens, int64_t page_size,
                 const std::string& policy, const std::string& policy_repr, const std::vector<int64_t>& cp_max_lens,
                 const std::vector<int64_t>& cp_cps, int64_t max_batch_per_instance);
+  SchedulerCore(const SchedulerCore&) = delete;  // requests own their frame lists
+  SchedulerCore& operator=(const SchedulerCore&) = delete;
 
   // requests in and out
   void add_request(int64_t handle, int64_t prompt_len, int64_t max_new_tokens);
   void finish(int64_t handle);
-  void step();
+  void step(int64_t num_steps);
   int64_t max_context() const { return max_context_; }
 
   // views
@@ -113,13 +121,18 @@ class SchedulerCore {
   const std::vector<int64_t>& moe_batch() const { return moe_batch_; }
   const std::vector<int64_t>& num_shards() const { return num_shards_; }
   const Request& request(int64_t handle) const;  // throws UnknownHandle
-  int64_t decode_steps(const Request& r) const { return r.status == kRunning ? r.decode_base + step_ends_ : r.decode_base; }
+  int64_t decode_steps(const Request& r) const {
+    // A window cut short by the decode budget ends the request exactly at max_new_tokens - 1.
+    return r.status == kRunning ? std::min(r.decode_base + steps_done_, r.max_new_tokens - 1) : r.decode_base;
+  }
+  int64_t num_steps() const { return num_steps_; }
   const ClusterShape& shape() const { return shape_; }
 
-  // Lower every instance into one pooled buffer: instance i's table is data[offsets[i]:offsets[i+1]].
-  std::shared_ptr<TableBuffer> lower_all(std::vector<size_t>& offsets);
-  // Lower one instance only (full pass for the row numbering, block copies for `instance` only).
-  std::shared_ptr<TableBuffer> lower(int instance, size_t& size);
+  // Lower every instance into one pooled buffer: instance i's table is data[offsets[i]:offsets[i+1]]. Block tables
+  // are incremental (frames added since the instance's last table) or, with `full`, complete snapshots.
+  std::shared_ptr<TableBuffer> lower_all(std::vector<size_t>& offsets, bool full);
+  // Lower one instance only (full pass for the row numbering, rows written for `instance` only).
+  std::shared_ptr<TableBuffer> lower(int instance, size_t& size, bool full);
   void check_invariants();
 
   // wall time of the last step() and of the last lower_all()/lower() inside C++ (diagnostics for benchmarks)
@@ -142,23 +155,11 @@ class SchedulerCore {
   int32_t new_slot();
   void delete_request(int32_t slot);
   void compact_running();
-  // Batch passes touch requests in batch order, i.e. scattered slots. The growth pass needs one request line
-  // (fetched kFar ahead); lowering also reads every shard's frames, fetched kFar / 2 ahead once the request line is
-  // in (a short request's frame list is a few lines; a long one is streamed by the hardware prefetcher).
+  // Batch passes touch requests in batch order, i.e. scattered slots: the growth pass and lowering need one request
+  // line each (fetched kFar ahead); the few new frames a table lists are read right after their shard's line.
   static constexpr size_t kFar = 16;
   void prefetch_request(size_t k) const {
     if (k + kFar < running_.size()) __builtin_prefetch(&reqs_[running_[k + kFar]]);
-  }
-  void prefetch_frames(size_t k) const {
-    prefetch_request(k);
-    if (k + kFar / 2 >= running_.size()) return;
-    const Request& r = reqs_[running_[k + kFar / 2]];
-    for (int32_t j = 0; j < r.nshards; ++j) {
-      const Shard& s = r.shard(j);
-      const char* p = reinterpret_cast<const char*>(s.frames.data());
-      const size_t bytes = std::min<size_t>(s.frames.size() * sizeof(int32_t), 512);
-      for (size_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + off);
-    }
   }
   void remove_running(int32_t slot);
 
@@ -167,9 +168,9 @@ class SchedulerCore {
   void finish_slot(int32_t slot);
   void rebalance_moe();
   void grow_all();
-  bool grow_slow(int32_t slot);
-  int growth_target(const Request& r) const;
-  bool has_room(const Request& r, int instance) const;
+  bool grow_slow(int32_t slot, int64_t n);
+  int growth_target(const Request& r, int64_t n) const;
+  bool has_room(const Request& r, int instance, int64_t n) const;
   void preempt(int32_t slot);
   void release(Request& r);
   void add_tokens(Shard& s, int64_t n);
@@ -178,24 +179,27 @@ class SchedulerCore {
   void unbind_moe(Request& r);
   void admit_waiting();
   bool admit_one(int32_t slot, std::vector<Ref>& still_waiting);
+  int64_t window_of(int64_t steps_left) const { return std::max<int64_t>(1, std::min(num_steps_, steps_left)); }
 
-  // placement (fills split_ with (instance, tokens) in split order)
-  bool place(int64_t context, int& moe);
-  bool place_single(int64_t context, int& moe);
-  bool place_nanocp(int64_t context, int& moe);
-  bool place_uniform(int64_t context, int& moe);
-  bool place_medha(int64_t context, int& moe);
-  bool place_csps(int64_t context, int& moe);
+  // placement (fills split_ with (instance, tokens) in split order, `window` new tokens on the MoE instance)
+  bool place(int64_t context, int64_t window, int& moe);
+  bool place_single(int64_t context, int64_t window, int& moe);
+  bool place_nanocp(int64_t context, int64_t window, int& moe);
+  bool place_uniform(int64_t context, int64_t window, int& moe);
+  bool place_medha(int64_t context, int64_t window, int& moe);
+  bool place_csps(int64_t context, int64_t window, int& moe);
   bool can_allocate(int moe) const;
   bool batch_open(int instance) const { return !max_batch_ || moe_batch_[instance] < max_batch_; }
   int64_t cp_lookup(int64_t length) const;
-  void commit(int32_t slot, int moe);
+  void commit(int32_t slot, int moe, int64_t window);
 
   // lowering
-  size_t table_size(int instance) const;
-  void start_table(int instance, int32_t* base, size_t total, Cursor& cursor) const;
-  template <bool kAll>
+  int64_t table_updates(int instance, bool full) const;
+  size_t table_size(int instance, bool full) const;
+  void start_table(int instance, int32_t* base, size_t total, bool full, Cursor& cursor) const;
+  template <bool kAll, bool kFull>
   void write_tables(std::vector<Cursor>& cursors, int only);
+  void finish_tables(std::vector<Cursor>& cursors, int only);
   std::shared_ptr<TableBuffer> pooled_buffer(size_t size);
 
   ClusterShape shape_;
@@ -213,6 +217,9 @@ class SchedulerCore {
   std::vector<int64_t> num_shards_;  // [instances] shards held
   std::vector<int64_t> remote_out_;  // [instances] remote shards of the requests whose MoE binding is here
   std::vector<int64_t> node_batch_;  // [nodes] requests owned by the node's instances
+  std::vector<SlotAllocator> slots_;  // [instances] block-table store slots
+  std::vector<int64_t> pending_updates_;  // [instances] frames of live shards not yet listed in a table
+  std::vector<int64_t> lowered_seq_;  // [instances] iteration of the last table lowered for it (-1: none)
 
   std::vector<Request> reqs_;  // slot pool
   std::vector<int32_t> free_slots_;
@@ -229,7 +236,8 @@ class SchedulerCore {
   std::vector<int32_t> single_token_;
 
   int64_t iteration_ = -1;
-  int64_t step_ends_ = 0;  // completed step() calls
+  int64_t num_steps_ = 1;   // decode steps of the current iteration
+  int64_t steps_done_ = 0;  // decode steps of the completed step() calls, summed
   int64_t rr_cursor_ = 0;
   int64_t admit_counter_ = 0;
   int64_t uid_counter_ = 0;

@@ -137,6 +137,9 @@ SchedulerCore::SchedulerCore(int64_t num_nodes, int64_t instances_per_node, int6
   num_shards_.assign(n, 0);
   remote_out_.assign(n, 0);
   node_batch_.assign(shape_.num_nodes, 0);
+  slots_.assign(n, SlotAllocator());
+  pending_updates_.assign(n, 0);
+  lowered_seq_.assign(n, -1);
   node_order_.resize(shape_.num_nodes);
   multi_count_.assign(n + 2, 0);
 }
@@ -266,8 +269,12 @@ std::vector<int64_t> SchedulerCore::batch_handles() {
 
 // ------------------------------------------------------------------ one iteration
 
-void SchedulerCore::step() {
+void SchedulerCore::step(int64_t num_steps) {
+  if (num_steps < 1 || num_steps > INT32_MAX)
+    throw SchedulerError("num_steps must be between 1 and " + std::to_string(INT32_MAX) + ", got " +
+                         std::to_string(num_steps));
   const auto t0 = std::chrono::steady_clock::now();
+  num_steps_ = num_steps;
   ++iteration_;
   last_admitted_.clear();
   last_preempted_.clear();
@@ -281,7 +288,7 @@ void SchedulerCore::step() {
   due_.clear();
   grow_all();
   admit_waiting();
-  ++step_ends_;  // every request in the batch counts one decode iteration
+  steps_done_ += num_steps_;  // every request in the batch counts its window (the last one may be cut short)
   last_step_ns_ = std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count();
 }
 
@@ -343,22 +350,25 @@ void SchedulerCore::rebalance_moe() {
   }
 }
 
-bool SchedulerCore::has_room(const Request& r, int instance) const {  // reference.py _has_room
+// reference.py _has_room: the free tail of the request's shard on `instance` plus its free pages hold n tokens.
+bool SchedulerCore::has_room(const Request& r, int instance, int64_t n) const {
+  int64_t tail = 0;
   for (int32_t k = 0; k < r.nshards; ++k)
-    if (r.shard(k).instance == instance && r.shard(k).has_room_in_tail(shape_.page_size)) return true;
-  return pages_.free_frames(instance) > 0;
+    if (r.shard(k).instance == instance) tail = r.shard(k).tail_room(shape_.page_size);
+  return tail + int64_t(pages_.free_frames(instance)) * shape_.page_size >= n;
 }
 
 // reference.py _growth_target: the MoE instance, else the least-KV member of the binding, of the node, of the
-// cluster that has room and an open batch; -1 if none. Medha: a full tail group moves to a fresh instance.
-int SchedulerCore::growth_target(const Request& r) const {
+// cluster that has room for the n tokens and an open batch; -1 if none. Medha: a tail group that would pass N tokens
+// moves to a fresh instance.
+int SchedulerCore::growth_target(const Request& r, int64_t n) const {
   int best = -1;
   auto better = [&](int i) { return best < 0 || std::make_pair(kv_tokens_[i], i) < std::make_pair(kv_tokens_[best], best); };
   const int first = (r.moe / shape_.instances_per_node) * shape_.instances_per_node;
-  if (r.shard(r.moe_shard).tokens >= group_tokens_) {
+  if (r.shard(r.moe_shard).tokens + n > group_tokens_) {
     // Medha: a full tail group opens a new instance (not yet in the binding), on the node first.
     auto fresh = [&](int i) {
-      if (!better(i) || pages_.free_frames(i) <= 0 || !batch_open(i)) return;
+      if (!better(i) || int64_t(pages_.free_frames(i)) * shape_.page_size < n || !batch_open(i)) return;
       for (int32_t k = 0; k < r.nshards; ++k)
         if (r.shard(k).instance == i) return;
       best = i;
@@ -368,9 +378,9 @@ int SchedulerCore::growth_target(const Request& r) const {
     for (int i = 0; i < shape_.num_instances; ++i) fresh(i);
     return best;
   }
-  if (has_room(r, r.moe)) return r.moe;
+  if (has_room(r, r.moe, n)) return r.moe;
   auto consider = [&](int i) {
-    if (better(i) && has_room(r, i) && batch_open(i)) best = i;
+    if (better(i) && has_room(r, i, n) && batch_open(i)) best = i;
   };
   for (int32_t k = 0; k < r.nshards; ++k) consider(r.shard(k).instance);
   if (best >= 0) return best;
@@ -380,35 +390,40 @@ int SchedulerCore::growth_target(const Request& r) const {
   return best;
 }
 
-// Every running request gains one token on its MoE instance (reference.py step's growth loop + _grow). Requests
-// out of decode budget after this iteration are noted for the next step's finish pass.
+// Every running request reserves its window (num_steps tokens, fewer when its decode budget ends sooner) on its
+// MoE instance (reference.py step's growth loop + _grow). Requests out of decode budget after this iteration are
+// noted for the next step's finish pass.
 void SchedulerCore::grow_all() {
   const int64_t page = shape_.page_size;
+  const int64_t steps_after = steps_done_ + num_steps_;
   for (size_t k = 0; k < running_.size(); ++k) {  // preemption only pops from the back: size() is re-read
     prefetch_request(k);
     const int32_t slot = running_[k];
     Request& r = reqs_[slot];
     Shard& s = r.shard(r.moe_shard);
-    if (s.tokens >= group_tokens_) {  // medha: the tail group is full
-      if (!grow_slow(slot)) continue;
-    } else if (s.has_room_in_tail(page)) {
-      s.tokens += 1;
-      kv_tokens_[r.moe] += 1;
-    } else if (pages_.free_frames(r.moe) > 0) {
-      add_tokens(s, 1);
-    } else if (!grow_slow(slot)) {
+    const int64_t w = window_of(r.due_at - steps_done_);
+    const int64_t tail = s.tail_room(page);
+    if (s.tokens + w > group_tokens_) {  // medha: the tail group would pass N tokens
+      if (!grow_slow(slot, w)) continue;
+    } else if (tail >= w) {
+      s.tokens += w;
+      kv_tokens_[r.moe] += w;
+    } else if (tail + int64_t(pages_.free_frames(r.moe)) * page >= w) {
+      add_tokens(s, w);
+    } else if (!grow_slow(slot, w)) {
       continue;  // preempted itself
     }
-    if (step_ends_ >= r.due_at) due_.push_back({slot, r.uid});
+    r.window = int32_t(w);
+    if (steps_after >= r.due_at) due_.push_back({slot, r.uid});
   }
 }
 
 // reference.py _grow when the MoE instance is full: find another target, preempting the most recently admitted
 // request until one exists; returns false if `slot` itself was preempted.
-bool SchedulerCore::grow_slow(int32_t slot) {
+bool SchedulerCore::grow_slow(int32_t slot, int64_t n) {
   Request& r = reqs_[slot];
   int target;
-  while ((target = growth_target(r)) < 0) {
+  while ((target = growth_target(r, n)) < 0) {
     const int32_t victim = running_.back();  // the most recently admitted: growth leaves no holes in the batch
     preempt(victim);
     if (victim == slot) return false;
@@ -425,7 +440,7 @@ bool SchedulerCore::grow_slow(int32_t slot) {
     idx = r.nshards - 1;
   }
   r.moe_shard = idx;
-  add_tokens(r.shard(idx), 1);
+  add_tokens(r.shard(idx), n);
   return true;
 }
 
@@ -433,6 +448,7 @@ void SchedulerCore::add_tokens(Shard& s, int64_t n) {  // reference.py _add_toke
   const int64_t page = shape_.page_size;
   const int64_t need = ceil_div(s.tokens + n, page) - ceil_div(s.tokens, page);
   pages_.alloc(s.instance, need, s.frames);
+  pending_updates_[s.instance] += need;
   s.tokens += n;
   kv_tokens_[s.instance] += n;
 }
@@ -443,6 +459,8 @@ void SchedulerCore::add_shard(Request& r, int instance) {
   Shard& s = r.shard(r.nshards++);
   s.instance = instance;
   s.tokens = 0;
+  s.slot = slots_[instance].alloc();
+  s.emitted = 0;
   num_shards_[instance] += 1;
   if (r.moe >= 0) remote_out_[r.moe] += 1;
   if (policy_ == kNanoCP && r.status == kRunning && r.nshards == 2) {
@@ -471,6 +489,8 @@ void SchedulerCore::release(Request& r) {  // reference.py _release
   for (int32_t k = 0; k < r.nshards; ++k) {
     Shard& s = r.shard(k);
     pages_.free(s.instance, s.frames);
+    slots_[s.instance].release(s.slot);
+    pending_updates_[s.instance] -= s.frames.size() - s.emitted;
     kv_tokens_[s.instance] -= s.tokens;
     num_shards_[s.instance] -= 1;
   }
@@ -518,17 +538,25 @@ bool SchedulerCore::admit_one(int32_t slot, std::vector<Ref>& still_waiting) {
     delete_request(slot);
     return false;
   }
+  // A full window first; a window of one always fits an empty cluster (max_context), so nothing stalls.
+  const int64_t window = window_of(r.max_new_tokens - 1 - r.decode_base);
   int moe = -1;
-  if (r.preempted_at == iteration_ || !place(context, moe)) {
-    still_waiting.push_back({slot, r.uid});
-    return false;
+  if (r.preempted_at != iteration_) {
+    if (place(context, window, moe)) {
+      commit(slot, moe, window);
+      return true;
+    }
+    if (window > 1 && place(context, 1, moe)) {
+      commit(slot, moe, 1);
+      return true;
+    }
   }
-  commit(slot, moe);
-  return true;
+  still_waiting.push_back({slot, r.uid});
+  return false;
 }
 
 // reference.py _commit: shards in order [moe, rest of the split in split order]; pages allocated in that order.
-void SchedulerCore::commit(int32_t slot, int moe) {
+void SchedulerCore::commit(int32_t slot, int moe, int64_t window) {
   Request& r = reqs_[slot];
   const int64_t steps = r.decode_base;
   const bool recompute = steps > 0;
@@ -544,13 +572,14 @@ void SchedulerCore::commit(int32_t slot, int moe) {
     }
   bind_moe(r, moe);
   r.moe_shard = 0;
-  r.decode_base = steps - step_ends_;
-  r.due_at = r.max_new_tokens - 2 - r.decode_base;
+  r.window = int32_t(window);
+  r.decode_base = steps + window - (steps_done_ + num_steps_);  // decode_steps = steps + window after this step
+  r.due_at = r.max_new_tokens - 1 - r.decode_base;
   running_.push_back(slot);
   running_seq_.push_back(r.admit_seq);
   --num_waiting_;
-  last_admitted_.emplace_back(r.handle, r.context_len() - 1, recompute);
-  if (step_ends_ >= r.due_at) due_.push_back({slot, r.uid});
+  last_admitted_.emplace_back(r.handle, r.context_len() - window, recompute);
+  if (steps_done_ + num_steps_ >= r.due_at) due_.push_back({slot, r.uid});
 }
 
 }  // namespace nanocp::sched

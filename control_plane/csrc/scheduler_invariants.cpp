@@ -1,5 +1,6 @@
 // SchedulerCore::check_invariants: reference.py check_invariants (loads, pages owned once, waiting/running partition)
-// plus the C++-only indexes (admission-order index, decode-budget list, multi-shard list, node and remote counters).
+// plus the C++-only indexes (admission-order index, decode-budget list, multi-shard list, node and remote counters,
+// block-table slots and the frames still to list per instance).
 #include <unordered_set>
 
 #include "scheduler.h"
@@ -14,7 +15,9 @@ void SchedulerCore::check_invariants() {
   const int n = shape_.num_instances;
   const int64_t page = shape_.page_size;
   std::vector<int64_t> kv(n, 0), batch(n, 0), shards(n, 0), remote(n, 0), node(shape_.num_nodes, 0);
-  std::vector<int64_t> used(n, 0);
+  std::vector<int64_t> used(n, 0), unlisted(n, 0);
+  std::vector<std::vector<char>> slot_seen(n);
+  for (int i = 0; i < n; ++i) slot_seen[i].assign(size_t(slots_[i].high()), 0);
   std::vector<std::vector<char>> frame_seen(n, std::vector<char>(shape_.frames_per_instance, 0));
   int64_t multi_shard = 0;
   require(running_seq_.size() == running_.size(), "batch admission-order index out of date");
@@ -34,6 +37,11 @@ void SchedulerCore::check_invariants() {
       const Shard& s = r.shard(k);
       for (int32_t j = 0; j < k; ++j) require(r.shard(j).instance != s.instance, "two shards on one instance");
       require(s.tokens > 0 && int64_t(s.frames.size()) == (s.tokens + page - 1) / page, "shard pages != tokens");
+      require(s.emitted >= 0 && s.emitted <= s.frames.size(), "a shard listed more frames than it holds");
+      unlisted[s.instance] += s.frames.size() - s.emitted;
+      require(s.slot >= 0 && s.slot < slots_[s.instance].high() && !slot_seen[s.instance][s.slot],
+              "block-table slot out of range or held twice");
+      slot_seen[s.instance][s.slot] = 1;
       kv[s.instance] += s.tokens;
       shards[s.instance] += 1;
       for (int32_t f : s.frames) {
@@ -44,7 +52,8 @@ void SchedulerCore::check_invariants() {
         used[s.instance] += 1;
       }
     }
-    require(r.due_at == r.max_new_tokens - 2 - r.decode_base, "decode budget out of date");
+    require(r.due_at == r.max_new_tokens - 1 - r.decode_base, "decode budget out of date");
+    require(r.window >= 1 && r.window <= num_steps_, "window outside [1, num_steps]");
     // due_ must name every request that is out of decode budget at the next step
     if (decode_steps(r) >= r.max_new_tokens - 1) {
       bool listed = false;
@@ -54,6 +63,14 @@ void SchedulerCore::check_invariants() {
   }
   require(kv == kv_tokens_ && batch == moe_batch_ && shards == num_shards_, "per-instance load counters out of date");
   require(remote == remote_out_ && node == node_batch_, "remote-shard / node counters out of date");
+  require(unlisted == pending_updates_, "frames still to list out of date");
+  for (int i = 0; i < n; ++i) {
+    for (int32_t slot : slots_[i].free_list()) {
+      require(slot >= 0 && slot < slots_[i].high() && !slot_seen[i][slot], "a free slot is also held or listed twice");
+      slot_seen[i][slot] = 1;
+    }
+    for (char seen : slot_seen[i]) require(seen, "a block-table slot is neither held nor free");
+  }
   for (int i = 0; i < n; ++i) {
     require(used[i] + pages_.free_frames(i) == shape_.frames_per_instance, "used + free != frames");
     for (int32_t f : pages_.free_stack(i)) {

@@ -1,4 +1,6 @@
 // Lowering of the current batch into per-instance int32 routing tables (layout: control_plane/lowering.py).
+// Block tables are incremental: a shard lists only its frames past `emitted` (those no table of its instance has
+// listed yet), so the cost of a table follows the requests and the new pages, not the KV held.
 #include <chrono>
 #include <climits>
 #include <cstring>
@@ -9,30 +11,37 @@ namespace nanocp::sched {
 namespace {
 
 constexpr int32_t kMagic = 0x4E435031;  // "NCP1"
-constexpr int32_t kVersion = 1;
+constexpr int32_t kVersion = 2;
 constexpr size_t kHeaderInts = 16;
+constexpr size_t kMaxBlocksSlot = 15;
 constexpr size_t kPoolSize = 4;  // output buffers kept for reuse
 
 }  // namespace
 
 // Row counts per section follow from the incremental per-instance counters: every MoE row is a request bound here,
-// every shard row a shard held here, every block an allocated frame here; q_recv/res_send = shards held here for a
-// request bound elsewhere; q_send/res_recv = remote shards of the requests bound here.
+// every shard row a shard held here, every update a frame not yet listed here (all used frames for a snapshot);
+// q_recv/res_send = shards held here for a request bound elsewhere; q_send/res_recv = remote shards of the requests
+// bound here.
 struct SchedulerCore::Cursor {
-  int32_t* moe = nullptr;  // [n_moe, 3]
-  int32_t* shards = nullptr;  // [n_shards, 5]
-  int32_t* blocks = nullptr;  // [n_blocks]
-  int32_t* q_send = nullptr;  // [n_q_send, 3]
-  int32_t* q_recv = nullptr;  // [n_q_recv, 2]
+  int32_t* header = nullptr;    // [16]
+  int32_t* moe = nullptr;       // [n_moe, 4]
+  int32_t* shards = nullptr;    // [n_shards, 4]
+  int32_t* updates = nullptr;   // [n_updates, 3]
+  int32_t* q_send = nullptr;    // [n_q_send, 3]
+  int32_t* q_recv = nullptr;    // [n_q_recv, 2]
   int32_t* res_send = nullptr;  // [n_res_send, 3]
   int32_t* res_recv = nullptr;  // [n_res_recv, 2]
-  int32_t n_moe = 0, n_shards = 0, n_blocks = 0, n_remote_in = 0, n_remote_out = 0;
+  int32_t n_moe = 0, n_shards = 0, n_updates = 0, n_remote_in = 0, n_remote_out = 0, max_blocks = 0;
 };
 
-size_t SchedulerCore::table_size(int i) const {
-  const int64_t moe = moe_batch_[i], shards = num_shards_[i], blocks = shape_.frames_per_instance - pages_.free_frames(i);
+int64_t SchedulerCore::table_updates(int i, bool full) const {
+  return full ? shape_.frames_per_instance - pages_.free_frames(i) : pending_updates_[i];
+}
+
+size_t SchedulerCore::table_size(int i, bool full) const {
+  const int64_t moe = moe_batch_[i], shards = num_shards_[i], updates = table_updates(i, full);
   const int64_t remote_in = shards - moe, remote_out = remote_out_[i];
-  return kHeaderInts + 3 * moe + 5 * shards + blocks + 5 * remote_out + 5 * remote_in;
+  return kHeaderInts + 4 * moe + 4 * shards + 3 * updates + 5 * remote_out + 5 * remote_in;
 }
 
 std::shared_ptr<TableBuffer> SchedulerCore::pooled_buffer(size_t size) {
@@ -50,43 +59,48 @@ std::shared_ptr<TableBuffer> SchedulerCore::pooled_buffer(size_t size) {
   return buf;
 }
 
-// Write instance i's header at `base` and point its cursor at the (still empty) sections.
-void SchedulerCore::start_table(int i, int32_t* base, size_t total, Cursor& c) const {
-  const int64_t moe = moe_batch_[i], shards = num_shards_[i], blocks = shape_.frames_per_instance - pages_.free_frames(i);
+// Write instance i's header at `base` (max_blocks follows after the pass) and point its cursor at the sections.
+void SchedulerCore::start_table(int i, int32_t* base, size_t total, bool full, Cursor& c) const {
+  const int64_t moe = moe_batch_[i], shards = num_shards_[i], updates = table_updates(i, full);
   const int64_t remote_out = remote_out_[i], remote_in = shards - moe;
-  const int32_t header[kHeaderInts] = {kMagic, kVersion, int32_t(i), int32_t(iteration_), int32_t(moe), int32_t(shards),
-                                       int32_t(blocks), int32_t(remote_out), int32_t(remote_in), int32_t(remote_in),
-                                       int32_t(remote_out), int32_t(total), 0, 0, 0, 0};
+  const int32_t base_seq = full ? -1 : int32_t(lowered_seq_[i]);
+  const int32_t header[kHeaderInts] = {kMagic,          kVersion,          int32_t(i),          int32_t(iteration_),
+                                       int32_t(moe),    int32_t(shards),   int32_t(updates),    int32_t(remote_out),
+                                       int32_t(remote_in), int32_t(remote_in), int32_t(remote_out), int32_t(total),
+                                       int32_t(num_steps_), base_seq,       int32_t(full),       0};
   std::memcpy(base, header, sizeof(header));
+  c.header = base;
   c.moe = base + kHeaderInts;
-  c.shards = c.moe + 3 * moe;
-  c.blocks = c.shards + 5 * shards;
-  c.q_send = c.blocks + blocks;
+  c.shards = c.moe + 4 * moe;
+  c.updates = c.shards + 4 * shards;
+  c.q_send = c.updates + 3 * updates;
   c.q_recv = c.q_send + 3 * remote_out;
   c.res_send = c.q_recv + 2 * remote_in;
   c.res_recv = c.res_send + 3 * remote_in;
 }
 
 // One pass over the batch (lowering.py lower_reference). kAll: write every instance; else only `only`, while still
-// counting rows everywhere (receive rows are numbered across instances).
-template <bool kAll>
+// counting rows everywhere (receive rows are numbered across instances). kFull: list every frame of every shard.
+// The frames a written shard lists are marked as listed (`emitted`).
+template <bool kAll, bool kFull>
 void SchedulerCore::write_tables(std::vector<Cursor>& cur, int only) {
   for (size_t g = 0; g < running_.size(); ++g) {
-    prefetch_frames(g);
-    const Request& r = reqs_[running_[g]];
+    prefetch_request(g);
+    Request& r = reqs_[running_[g]];
     const int64_t context_len = r.context_len();
     if (context_len > INT32_MAX) throw std::overflow_error("context length does not fit the int32 routing table");
     const int m = r.moe;
     Cursor& cm = cur[m];
     const bool write_m = kAll || m == only;
     const int32_t moe_row = cm.n_moe++;
-    int32_t* moe_entry = write_m ? cm.moe + 3 * size_t(moe_row) : nullptr;
+    int32_t* moe_entry = write_m ? cm.moe + 4 * size_t(moe_row) : nullptr;
     if (write_m) {
       moe_entry[0] = int32_t(g);
-      moe_entry[1] = int32_t(context_len - 1);
+      moe_entry[1] = int32_t(context_len - r.window);
+      moe_entry[3] = r.window;
     }
     for (int32_t k = 0; k < r.nshards; ++k) {
-      const Shard& s = r.shard(k);
+      Shard& s = r.shard(k);
       const int inst = s.instance;
       Cursor& ct = cur[inst];
       const bool write_t = kAll || inst == only;
@@ -116,50 +130,76 @@ void SchedulerCore::write_tables(std::vector<Cursor>& cur, int only) {
           res_recv[1] = moe_row;
         }
       }
-      const int32_t n_frames = int32_t(s.frames.size());
-      if (write_t) {
-        int32_t* row = ct.shards + 5 * size_t(shard_idx);
-        row[0] = int32_t(g);
-        row[1] = source;
-        row[2] = int32_t(s.tokens);
-        row[3] = ct.n_blocks;
-        row[4] = n_frames;
-        std::memcpy(ct.blocks + ct.n_blocks, s.frames.data(), sizeof(int32_t) * size_t(n_frames));
+      if (!write_t) continue;
+      int32_t* row = ct.shards + 4 * size_t(shard_idx);
+      row[0] = int32_t(g);
+      row[1] = source;
+      row[2] = int32_t(s.tokens);
+      row[3] = s.slot;
+      const int32_t n_frames = s.frames.size();
+      int32_t* update = ct.updates + 3 * size_t(ct.n_updates);
+      for (int32_t b = kFull ? 0 : s.emitted; b < n_frames; ++b, update += 3) {
+        update[0] = s.slot;
+        update[1] = b;
+        update[2] = s.frames[b];
       }
-      ct.n_blocks += n_frames;
+      ct.n_updates += n_frames - (kFull ? 0 : s.emitted);
+      s.emitted = n_frames;
+      ct.max_blocks = std::max(ct.max_blocks, n_frames);
     }
   }
 }
 
-std::shared_ptr<TableBuffer> SchedulerCore::lower_all(std::vector<size_t>& offsets) {
+// After the pass: every written table gets its longest shard's block count, and its instance's store state moves
+// to this iteration (nothing left to list).
+void SchedulerCore::finish_tables(std::vector<Cursor>& cur, int only) {
+  for (int i = 0; i < shape_.num_instances; ++i) {
+    if (only >= 0 && i != only) continue;
+    Cursor& c = cur[i];
+    if (c.n_updates != c.header[6]) throw InvariantError("lowering listed a different number of block updates");
+    c.header[kMaxBlocksSlot] = c.max_blocks;
+    lowered_seq_[i] = iteration_;
+    pending_updates_[i] = 0;
+  }
+}
+
+std::shared_ptr<TableBuffer> SchedulerCore::lower_all(std::vector<size_t>& offsets, bool full) {
   const auto t0 = std::chrono::steady_clock::now();
   compact_running();
   const int n = shape_.num_instances;
   offsets.resize(n + 1);
   offsets[0] = 0;
-  for (int i = 0; i < n; ++i) offsets[i + 1] = offsets[i] + table_size(i);
+  for (int i = 0; i < n; ++i) offsets[i + 1] = offsets[i] + table_size(i, full);
   auto buf = pooled_buffer(offsets[n]);
   std::vector<Cursor> cur(n);
-  for (int i = 0; i < n; ++i) start_table(i, buf->data.get() + offsets[i], offsets[i + 1] - offsets[i], cur[i]);
-  write_tables<true>(cur, -1);
+  for (int i = 0; i < n; ++i) start_table(i, buf->data.get() + offsets[i], offsets[i + 1] - offsets[i], full, cur[i]);
+  if (full)
+    write_tables<true, true>(cur, -1);
+  else
+    write_tables<true, false>(cur, -1);
+  finish_tables(cur, -1);
   last_lower_ns_ = std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count();
   return buf;
 }
 
-std::shared_ptr<TableBuffer> SchedulerCore::lower(int instance, size_t& size) {
+std::shared_ptr<TableBuffer> SchedulerCore::lower(int instance, size_t& size, bool full) {
   if (instance < 0 || instance >= shape_.num_instances)
     throw std::out_of_range("instance " + std::to_string(instance) + " out of range [0, " +
                             std::to_string(shape_.num_instances) + ")");
   const auto t0 = std::chrono::steady_clock::now();
   compact_running();
-  size = table_size(instance);
+  size = table_size(instance, full);
   auto buf = std::make_shared<TableBuffer>();  // not pooled: a single table is small and callers may keep it
   buf->capacity = size;
   buf->data.reset(new int32_t[size]);
   // Every other instance gets a null cursor base: its rows are counted, never written.
   std::vector<Cursor> cur(shape_.num_instances);
-  start_table(instance, buf->data.get(), size, cur[instance]);
-  write_tables<false>(cur, instance);
+  start_table(instance, buf->data.get(), size, full, cur[instance]);
+  if (full)
+    write_tables<false, true>(cur, instance);
+  else
+    write_tables<false, false>(cur, instance);
+  finish_tables(cur, instance);
   last_lower_ns_ = std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count();
   return buf;
 }

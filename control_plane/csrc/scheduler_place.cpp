@@ -1,5 +1,6 @@
 // Placement policies of SchedulerCore (reference.py _place and its helpers): each fills split_ with
-// (instance, tokens) in split order, the new token included on the MoE instance, and says whether CanAllocate holds.
+// (instance, tokens) in split order, the window's new tokens included on the MoE instance, and says whether
+// CanAllocate holds.
 #include <algorithm>
 
 #include "scheduler.h"
@@ -55,16 +56,16 @@ bool SchedulerCore::can_allocate(int moe) const {  // reference.py _can_allocate
   return true;
 }
 
-bool SchedulerCore::place(int64_t context, int& moe) {  // reference.py _place
+bool SchedulerCore::place(int64_t context, int64_t window, int& moe) {  // reference.py _place
   split_.clear();
-  if (policy_ == kNanoCP) return place_nanocp(context, moe);
-  if (policy_ == kUniformCP) return place_uniform(context, moe);
-  if (policy_ == kMedha) return place_medha(context, moe);
-  if (policy_ == kCsps) return place_csps(context, moe);
-  return place_single(context, moe);
+  if (policy_ == kNanoCP) return place_nanocp(context, window, moe);
+  if (policy_ == kUniformCP) return place_uniform(context, window, moe);
+  if (policy_ == kMedha) return place_medha(context, window, moe);
+  if (policy_ == kCsps) return place_csps(context, window, moe);
+  return place_single(context, window, moe);
 }
 
-bool SchedulerCore::place_single(int64_t context, int& moe) {
+bool SchedulerCore::place_single(int64_t context, int64_t window, int& moe) {
   const int n = shape_.num_instances;
   int target = 0;
   if (policy_ == kLeastBatch) {  // batch only (vLLM DP balancing)
@@ -76,7 +77,7 @@ bool SchedulerCore::place_single(int64_t context, int& moe) {
   } else {
     target = int(rr_cursor_);
   }
-  split_.emplace_back(target, context + 1);
+  split_.emplace_back(target, context + window);
   if (!can_allocate(target)) return false;
   if (policy_ == kRoundRobin) rr_cursor_ = (rr_cursor_ + 1) % n;
   moe = target;
@@ -86,7 +87,7 @@ bool SchedulerCore::place_single(int64_t context, int& moe) {
 // reference.py _place_nanocp: node with the fewest owned requests first; MoE = fewest MoE requests on the node;
 // the other cp-1 participants = least KV; tokens by WaterFill; the first node where CanAllocate holds. The bucket's
 // degree is raised to the least degree whose even split fits an instance.
-bool SchedulerCore::place_nanocp(int64_t context, int& moe) {
+bool SchedulerCore::place_nanocp(int64_t context, int64_t window, int& moe) {
   const int ipn = shape_.instances_per_node;
   const int64_t fit = room_ > 0 ? ceil_div(context, room_) : ipn;  // room_ == 0 admits nothing (max_context 0)
   const int64_t cp = std::min<int64_t>(std::max(cp_lookup(context), fit), ipn);
@@ -112,7 +113,7 @@ bool SchedulerCore::place_nanocp(int64_t context, int& moe) {
     waterfill(loads_, context, order_, fill_);
     split_.clear();
     for (size_t j = 0; j < members_.size(); ++j)
-      if (fill_[j] > 0 || j == 0) split_.emplace_back(members_[j], fill_[j] + (j == 0 ? 1 : 0));
+      if (fill_[j] > 0 || j == 0) split_.emplace_back(members_[j], fill_[j] + (j == 0 ? window : 0));
     if (can_allocate(m)) {
       moe = m;
       return true;
@@ -122,7 +123,7 @@ bool SchedulerCore::place_nanocp(int64_t context, int& moe) {
 }
 
 // reference.py _place_uniform: the group of k with the fewest MoE requests (then KV); an even split.
-bool SchedulerCore::place_uniform(int64_t context, int& moe) {
+bool SchedulerCore::place_uniform(int64_t context, int64_t window, int& moe) {
   const int64_t k = policy_arg_;
   const int groups = int(shape_.num_instances / k);
   int best = 0;
@@ -145,7 +146,7 @@ bool SchedulerCore::place_uniform(int64_t context, int& moe) {
     if (std::make_pair(moe_batch_[i], kv_tokens_[i]) < std::make_pair(moe_batch_[m], kv_tokens_[m])) m = i;
   const int64_t base = context / k, extra = context % k;
   for (int j = 0; j < k; ++j) {
-    const int64_t t = base + (j < extra ? 1 : 0) + (first + j == m ? 1 : 0);
+    const int64_t t = base + (j < extra ? 1 : 0) + (first + j == m ? window : 0);
     if (t > 0) split_.emplace_back(first + j, t);
   }
   if (!can_allocate(m)) return false;
@@ -154,8 +155,8 @@ bool SchedulerCore::place_uniform(int64_t context, int& moe) {
 }
 
 // reference.py _place_medha: groups of N tokens on the least-KV instances; all full but the last, which takes the
-// rest, the new token and the MoE binding.
-bool SchedulerCore::place_medha(int64_t context, int& moe) {
+// rest, the window's new tokens and the MoE binding.
+bool SchedulerCore::place_medha(int64_t context, int64_t window, int& moe) {
   const int64_t n_groups = context / policy_arg_ + 1;
   if (n_groups > shape_.num_instances) return false;
   members_.resize(shape_.num_instances);
@@ -164,19 +165,19 @@ bool SchedulerCore::place_medha(int64_t context, int& moe) {
   std::partial_sort(members_.begin(), members_.begin() + n_groups, members_.end(), by_kv);
   for (int64_t j = 0; j + 1 < n_groups; ++j) split_.emplace_back(members_[j], policy_arg_);
   moe = members_[n_groups - 1];
-  split_.emplace_back(moe, context - policy_arg_ * (n_groups - 1) + 1);
+  split_.emplace_back(moe, context - policy_arg_ * (n_groups - 1) + window);
   return can_allocate(moe);
 }
 
 // reference.py _place_csps: up to S tokens: whole, on the instance with the fewest running requests; longer: ceil(L/S)
 // (at least what fits) near-equal partitions on the least-KV instances of the least-KV node, MoE on the last one.
-bool SchedulerCore::place_csps(int64_t context, int& moe) {
+bool SchedulerCore::place_csps(int64_t context, int64_t window, int& moe) {
   if (context <= policy_arg_) {
     int target = 0;
     for (int i = 1; i < shape_.num_instances; ++i)
       if (std::make_pair(moe_batch_[i], kv_tokens_[i]) < std::make_pair(moe_batch_[target], kv_tokens_[target]))
         target = i;
-    split_.emplace_back(target, context + 1);
+    split_.emplace_back(target, context + window);
     moe = target;
     return can_allocate(target);
   }
@@ -199,7 +200,7 @@ bool SchedulerCore::place_csps(int64_t context, int& moe) {
   std::partial_sort(members_.begin(), members_.begin() + parts, members_.end(), by_kv);
   const int64_t base = context / parts, extra = context % parts;
   moe = members_[parts - 1];
-  for (int64_t j = 0; j < parts; ++j) split_.emplace_back(members_[j], base + (j < extra ? 1 : 0) + (j == parts - 1 ? 1 : 0));
+  for (int64_t j = 0; j < parts; ++j) split_.emplace_back(members_[j], base + (j < extra ? 1 : 0) + (j == parts - 1 ? window : 0));
   return can_allocate(moe);
 }
 
