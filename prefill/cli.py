@@ -29,6 +29,7 @@ def cmd_prefill_sim(args: argparse.Namespace) -> int:
         quantum_s=args.lars_quantum,
         seeds=tuple(args.seeds),
         arms=arms,
+        rate_objective=args.rate_objective,
     )
     began = time.time()
     results = run_experiments(config, jobs=args.jobs, progress=lambda line: print(line, flush=True))
@@ -75,12 +76,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     sim.add_argument("--requests", type=int, default=1000, help="requests per simulated run")
     sim.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="independent workloads")
     sim.add_argument(
-        "--loads", type=float, nargs="+", default=[0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8],
+        "--loads", type=float, nargs="+", default=[0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0],
         help="arrival rates as fractions of the SP=1 throughput bound",
     )  # fmt: skip
     sim.add_argument("--slo-scale", type=float, default=10.0, help="SLO: TTFT <= scale x idle-pool best TTFT")
     sim.add_argument("--attainment", type=float, default=0.9, help="capacity: fraction of requests within the SLO")
     sim.add_argument("--lars-quantum", type=float, default=1.0, help="longest LARS chunk (s) before preemption")
+    sim.add_argument(
+        "--rate-objective", default="mean", choices=["mean", "attainment"],
+        help="improvement-rate search: lowest mean TTFT (Tetris) or highest SLO attainment",
+    )  # fmt: skip
     sim.add_argument("--arms", nargs="+", default=None, help="subset of the compared systems (default: all)")
     sim.add_argument("--jobs", type=int, default=2, help="worker processes")
     sim.add_argument("--out", default=str(RESULTS / "prefill_sim"), help="output prefix (.json, .md, _<profile>.png)")
