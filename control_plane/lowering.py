@@ -19,11 +19,13 @@ The C++ core writes exactly this layout (csrc/scheduler_lower.cpp); `lower_refer
 `batch_index` indexes the iteration's batch (IterationPlan.batch). Receive rows on an instance are numbered in
 batch order, so sender and receiver agree without exchanging anything.
 
-Block tables are incremental. Every shard holds a slot on its instance from its creation until its request
-finishes or is preempted (lowest free slot first, the most recently freed first on reuse: the slot numbers stay
-below the instance's peak shard count, at most its frame count). The instance keeps a block-table store
-[slots, blocks per shard]; `updates` lists only the frames added since the last table lowered for this instance,
-in shard order and block order within a shard (a new shard, also one in a reused slot, from block 0). The header's
+Block tables are incremental. Every shard holds a slot on its instance from the end of the step that created it
+until its request finishes or is preempted (the most recently freed slot first, else the lowest never used; slots
+are handed out after the step's releases, so slot numbers stay below the most shard rows a table of the instance
+ever had: max_moe_batch + max_q_recv for an instance within its limits, and below its frame count since a shard
+holds a frame). The instance keeps a block-table store [slots, blocks per shard]; `updates` lists only the frames
+added since the last table lowered for this instance, in shard order and block order within a shard (a new shard,
+also one in a reused slot, from block 0). The header's
 `iteration` is the table's sequence number and `base_seq` the sequence of the table it builds on (the last one
 lowered for this instance, -1 for none: an empty store); a consumer must apply a table only to a store whose last
 applied table is `base_seq`. A full snapshot (`full` = 1, `base_seq` = -1) lists every frame of every live shard

@@ -38,7 +38,7 @@ MAX_NUM_STEPS = 2**31 - 1  # num_steps travels in the int32 routing-table header
 @dataclass
 class Shard:
     instance: int
-    slot: int  # row of the instance's block-table store
+    slot: int = -1  # row of the instance's block-table store (handed out at the end of the step creating it)
     tokens: int = 0
     pages: list[int] = field(default_factory=list)  # logical page ids in token order
     emitted: int = 0  # pages already listed in a table lowered for this instance
@@ -48,7 +48,8 @@ class Shard:
 class SlotAllocator:
     """Block-table store slots of one instance: the most recently freed slot first, else the lowest never used.
 
-    So the slots in use stay below the instance's peak number of shards."""
+    Slots are handed out at the end of a step, after its releases, so slot numbers stay below the largest number
+    of shards the instance held at the end of a step (its routing tables' shard rows)."""
 
     free: list[int] = field(default_factory=list)  # freed slots, the next to reuse at the back
     high: int = 0  # slots 0..high-1 have been handed out at least once
@@ -135,6 +136,7 @@ class ReferenceCore:
         self.num_shards = [0] * n
         self.slots = [SlotAllocator() for _ in range(n)]
         self.lowered_seq = [EMPTY_STORE] * n  # per instance: iteration of the last table lowered for it
+        self._unslotted: list[tuple[Request, Shard]] = []  # shards created in this step, in creation order
         self.requests: dict[int, Request] = {}
         self.waiting: list[int] = []  # handles in queue order
         self.running: list[int] = []  # handles in batch order (admission order)
@@ -209,6 +211,7 @@ class ReferenceCore:
             if req.status == RUNNING:
                 self._grow(req, self._window(req))
         self._admit_waiting()
+        self._assign_slots()
         for handle in self.running:
             self.requests[handle].decode_steps += self.requests[handle].window
 
@@ -305,10 +308,18 @@ class ReferenceCore:
         req.window = n
 
     def _new_shard(self, req: Request, instance: int) -> Shard:
-        shard = Shard(instance, self.slots[instance].alloc())
+        shard = Shard(instance)
         req.shards.append(shard)
         self.num_shards[instance] += 1
+        self._unslotted.append((req, shard))
         return shard
+
+    def _assign_slots(self) -> None:
+        """Slots for the shards this step created and kept (a request preempted in a step is not re-admitted in it)."""
+        for req, shard in self._unslotted:
+            if req.status == RUNNING:
+                shard.slot = self.slots[shard.instance].alloc()
+        self._unslotted = []
 
     def _add_tokens(self, shard: Shard, n: int) -> None:
         page = self.spec.page_size
@@ -320,7 +331,8 @@ class ReferenceCore:
     def _release(self, req: Request) -> None:
         for shard in req.shards:
             self.pages.free(shard.pages)
-            self.slots[shard.instance].release(shard.slot)
+            if shard.slot >= 0:
+                self.slots[shard.instance].release(shard.slot)
             self.kv_tokens[shard.instance] -= shard.tokens
             self.num_shards[shard.instance] -= 1
         self.moe_batch[req.moe] -= 1

@@ -288,7 +288,8 @@ class EngineLoop:
     def _observe_finish(self, output, tracked: _Tracked) -> None:
         if self.metrics is not None:
             end = output.metrics.finish_time or time.monotonic()
-            self.metrics.observe_finish(output.finish_reason, end - tracked.arrival, tracked.prompt_len)
+            reason, tpot = output.finish_reason, output.metrics.tpot
+            self.metrics.observe_finish(reason, end - tracked.arrival, tracked.prompt_len, tpot)
 
     def _record_load(self) -> None:
         engine = self.engine

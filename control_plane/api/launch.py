@@ -30,27 +30,37 @@ def build_engine(config: EngineConfig, placement: RayPlacement | None = None) ->
         return Engine(config)
     placement = placement or RayPlacement(config.instances_per_node or config.decode_instances)
     if "cluster_options" in {f.name for f in fields(EngineConfig)}:  # make_cluster dispatches "ray" itself
-        return Engine(replace(config, cluster_options={"placement": placement}))
-    return _engine_with_ray_cluster(config, placement)
+        return Engine(replace(config, cluster_options={"placement": placement, "allow_one_group": True}))
+    return RayEngine(config, placement)
 
 
-def _engine_with_ray_cluster(config: EngineConfig, placement: RayPlacement) -> Engine:
-    """The Engine builds its cluster with `make_cluster(backend, cfg)` looked up in nanocp.engine; until that
-    function dispatches "ray" (a change requested from its owner), the name is wrapped while this Engine is
-    built: "ray" goes to RayCluster, every other backend to the original function."""
-    import nanocp.engine as engine_module
+class RayEngine(Engine):
+    """An Engine whose decode clusters (the first one, and any rebuilt after an instance failure) are RayClusters.
 
-    with _MAKE_CLUSTER_LOCK:
-        original = engine_module.make_cluster
+    The Engine builds clusters with `make_cluster(backend, cfg)` looked up in nanocp.engine; until that function
+    dispatches "ray" itself (a change requested from its owner), the name is wrapped while a cluster is built:
+    "ray" goes to RayCluster, every other backend to the original function.
+    """
 
-        def make_cluster(backend: str, cfg):
-            return RayCluster(cfg, placement) if backend == "ray" else original(backend, cfg)
+    def __init__(self, config: EngineConfig, placement: RayPlacement) -> None:
+        self.placement = placement
+        super().__init__(config)
 
-        engine_module.make_cluster = make_cluster
-        try:
-            return Engine(config)
-        finally:
-            engine_module.make_cluster = original
+    def _build_cluster(self, spec) -> None:
+        import nanocp.engine as engine_module
+
+        placement = self.placement
+        with _MAKE_CLUSTER_LOCK:
+            original = engine_module.make_cluster
+
+            def make_cluster(backend: str, cfg):
+                return RayCluster(cfg, placement, allow_one_group=True) if backend == "ray" else original(backend, cfg)
+
+            engine_module.make_cluster = make_cluster
+            try:
+                super()._build_cluster(spec)
+            finally:
+                engine_module.make_cluster = original
 
 
 def curl_example(url: str, model: str, with_key: bool) -> str:

@@ -118,6 +118,10 @@ class ServingMetrics:
             buckets=E2E_BUCKETS,
             registry=r,
         )
+        self._tpot = Histogram(
+            PREFIX + "request_time_per_output_token_seconds", "Per request: mean time per token after the first.",
+            labels, buckets=ITL_BUCKETS, registry=r,
+        )  # fmt: skip
         self._prompt_tokens = Counter(
             PREFIX + "prompt_tokens", "Prompt tokens of finished requests.", labels, registry=r
         )
@@ -137,7 +141,7 @@ class ServingMetrics:
         )
         self.model_name = model_name
         # Create every series now, so that a scrape shows zeros rather than missing metrics.
-        for metric in (self._running, self._waiting, self._kv_usage, self._ttft, self._itl, self._e2e):
+        for metric in (self._running, self._waiting, self._kv_usage, self._ttft, self._itl, self._e2e, self._tpot):
             metric.labels(model_name)
         for metric in (self._prompt_tokens, self._generation_tokens, self._preemptions):
             metric.labels(model_name)
@@ -158,11 +162,13 @@ class ServingMetrics:
             self._itl.labels(m).observe(gap)
         self._generation_tokens.labels(m).inc(len(gaps_s) + (ttft_s is not None))
 
-    def observe_finish(self, reason: str, e2e_s: float, prompt_tokens: int) -> None:
+    def observe_finish(self, reason: str, e2e_s: float, prompt_tokens: int, tpot_s: float | None = None) -> None:
         m = self.model_name
         self._success.labels(m, reason).inc()
         self._e2e.labels(m).observe(e2e_s)
         self._prompt_tokens.labels(m).inc(prompt_tokens)
+        if tpot_s is not None:
+            self._tpot.labels(m).observe(tpot_s)
 
     def observe_preemptions(self, count: int) -> None:
         if count:

@@ -44,7 +44,7 @@ struct Shard {
   FrameList frames;  // [pages] frames on `instance`, in token order
   int64_t tokens = 0;
   int32_t instance = -1;
-  int32_t slot = -1;    // row of the instance's block-table store
+  int32_t slot = -1;    // row of the instance's block-table store (handed out at the end of the creating step)
   int32_t emitted = 0;  // frames already listed in a table lowered for `instance`
   int64_t tail_room(int64_t page) const { return int64_t(frames.size()) * page - tokens; }
 };
@@ -144,6 +144,10 @@ class SchedulerCore {
     int32_t slot;
     int64_t uid;
   };
+  struct ShardRef {  // a shard created in this step, waiting for its block-table slot
+    Ref request;
+    int32_t shard;
+  };
   struct MultiRef {  // a running multi-shard request, in batch (admission) order
     int64_t admit_seq;
     int32_t slot;
@@ -178,6 +182,7 @@ class SchedulerCore {
   void bind_moe(Request& r, int instance);
   void unbind_moe(Request& r);
   void admit_waiting();
+  void assign_slots();
   bool admit_one(int32_t slot, std::vector<Ref>& still_waiting);
   int64_t window_of(int64_t steps_left) const { return std::max<int64_t>(1, std::min(num_steps_, steps_left)); }
 
@@ -232,6 +237,7 @@ class SchedulerCore {
   int64_t waiting_single_token_ = 0;  // waiting requests with max_new_tokens == 1
   std::vector<Ref> due_;              // running requests whose decode budget ends before the next step
   std::vector<MultiRef> multi_;       // nanocp: running requests with >= 2 shards, in batch order
+  std::vector<ShardRef> unslotted_;   // shards created in this step, in creation order
   std::vector<int32_t> preempted_slots_;
   std::vector<int32_t> single_token_;
 

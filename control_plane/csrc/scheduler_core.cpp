@@ -288,6 +288,7 @@ void SchedulerCore::step(int64_t num_steps) {
   due_.clear();
   grow_all();
   admit_waiting();
+  assign_slots();
   steps_done_ += num_steps_;  // every request in the batch counts its window (the last one may be cut short)
   last_step_ns_ = std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count();
 }
@@ -459,8 +460,9 @@ void SchedulerCore::add_shard(Request& r, int instance) {
   Shard& s = r.shard(r.nshards++);
   s.instance = instance;
   s.tokens = 0;
-  s.slot = slots_[instance].alloc();
+  s.slot = -1;
   s.emitted = 0;
+  unslotted_.push_back({{int32_t(&r - reqs_.data()), r.uid}, r.nshards - 1});
   num_shards_[instance] += 1;
   if (r.moe >= 0) remote_out_[r.moe] += 1;
   if (policy_ == kNanoCP && r.status == kRunning && r.nshards == 2) {
@@ -489,7 +491,7 @@ void SchedulerCore::release(Request& r) {  // reference.py _release
   for (int32_t k = 0; k < r.nshards; ++k) {
     Shard& s = r.shard(k);
     pages_.free(s.instance, s.frames);
-    slots_[s.instance].release(s.slot);
+    if (s.slot >= 0) slots_[s.instance].release(s.slot);
     pending_updates_[s.instance] -= s.frames.size() - s.emitted;
     kv_tokens_[s.instance] -= s.tokens;
     num_shards_[s.instance] -= 1;
@@ -511,6 +513,18 @@ void SchedulerCore::preempt(int32_t slot) {  // reference.py _preempt (the queue
   ++num_waiting_;
   preempted_slots_.push_back(slot);
   last_preempted_.push_back(r.handle);
+}
+
+// reference.py _assign_slots: block-table slots for the shards this step created, after all of its releases (a
+// request preempted in a step is not re-admitted in it, so a running owner means the shard is live).
+void SchedulerCore::assign_slots() {
+  for (const ShardRef& e : unslotted_) {
+    Request& r = reqs_[e.request.slot];
+    if (r.uid != e.request.uid || r.status != kRunning) continue;
+    Shard& s = r.shard(e.shard);
+    s.slot = slots_[s.instance].alloc();
+  }
+  unslotted_.clear();
 }
 
 // ------------------------------------------------------------------ admission
