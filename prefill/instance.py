@@ -21,7 +21,7 @@ their absolute RoPE position and attention is causal by position, so any split o
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -132,7 +132,6 @@ class _Layer:
     q: torch.Tensor  # [n_local, H, Dqk]
     block: torch.Tensor  # [block_rows, Dkv] the latent rows this instance holds for this layer
     block_positions: torch.Tensor  # int64 [block_rows]
-    new_kv: torch.Tensor = field(default_factory=lambda: torch.empty(0))
 
 
 def head_ranges(num_heads: int, size: int) -> list[tuple[int, int]]:

@@ -211,7 +211,7 @@ class CdspPrefillTier:
         return pairs
 
     @staticmethod
-    def _stream(transfers: TransferEngine, d: ChunkDispatch, result: ChunkResult, destination: KVDestination):
+    def _stream(transfers: TransferEngine, d: ChunkDispatch, result: ChunkResult, destination: KVDestination) -> None:
         data: dict[tuple[int, int], list] = {}
         for run in result.runs:
             for w in destination.writes(run.start, run.tokens):

@@ -9,7 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from nanocp.models import load_model, prefill_forward
-from nanocp.prefill.sp_exec import ChunkSpec, SpPrefillExecutor, balance_plan, zigzag_segments
+from nanocp.prefill.instance import PrefillExecError, Wait
+from nanocp.prefill.sp_exec import ChunkSpec, SpPrefillExecutor, balance_plan, drive, zigzag_segments
 
 MODEL = load_model("tiny")
 NUM_INSTANCES = 6
@@ -165,3 +166,11 @@ def test_bad_chunks_are_rejected(executor):
         executor.run_plan("short", tokens, [ChunkSpec(10, (0,))])
     with pytest.raises(KeyError):
         executor.run_chunk("missing", ChunkSpec(1, (0,)))
+
+
+def test_the_driver_raises_on_a_deadlock_instead_of_hanging(executor):
+    def stuck():
+        yield Wait([(0, 10**9)])  # a flag nobody will ever set
+
+    with pytest.raises(PrefillExecError, match="deadlocked"):
+        drive({0: stuck(), 1: stuck()}, executor.instances, None)
