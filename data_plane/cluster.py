@@ -4,6 +4,11 @@ The driver (nanocp.LLM, the server) owns the KV pools' memory, so prefill can wr
 the pages the scheduler chose, and hands each instance its routing table and the inputs of its MoE rows every
 iteration. Instances exchange queries, partial results and MoE tokens over the fabric (in-process or shared
 memory). Every fabric wait has a timeout: a dead or stuck instance surfaces as an error, never a hang.
+
+Routing tables carry incremental block tables (control_plane/lowering.py). `run_iteration(tables, rows,
+full_tables=plan.full_tables)` sends an instance its incremental table only when its block-table store is known to
+hold the table that one builds on; otherwise (a fresh cluster, an instance whose last iteration failed) and when an
+instance refuses a table as stale, it sends the full snapshot. Without `full_tables` the tables go out as given.
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import time
 import traceback
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from multiprocessing import connection as mp_connection
@@ -27,9 +33,10 @@ from nanocp.comm.metadata_channel import (
     ShmMetadataSender,
 )
 from nanocp.comm.shm_fabric import ShmFabric
-from nanocp.control_plane.lowering import RoutingTables
+from nanocp.control_plane.lowering import BASE_SEQ_SLOT, FULL_SLOT, RoutingTables
 from nanocp.models import load_config, load_model
 
+from .block_store import StaleBlockTableError
 from .experts import owned_experts
 from .graph_runner import build_graph_engine
 from .instance import DecodeInstance, InstanceLimits, RowInput, RowOutput
@@ -90,6 +97,35 @@ def allocate_pools(cfg: ClusterConfig, shared: bool) -> list[PagedKVPool]:
     ]
 
 
+FullTables = Callable[[], list[np.ndarray]]
+
+
+class TableFeed:
+    """Which routing table each instance gets: the incremental one when the instance's block-table store is known
+    to hold the table it builds on, else the full snapshot. The driver learns a store's state from the iterations
+    that succeeded; a failed iteration leaves it unknown."""
+
+    def __init__(self, num_instances: int) -> None:
+        self.held: list[int | None] = [None] * num_instances  # per instance: sequence of the table its store holds
+
+    def pick(self, r: int, tables: list[np.ndarray], full_tables: FullTables | None) -> np.ndarray:
+        table = tables[r]
+        if full_tables is None or self.held[r] == int(table[BASE_SEQ_SLOT]):
+            return table
+        return full_tables()[r]
+
+    @staticmethod
+    def can_resend_full(table: np.ndarray, full_tables: FullTables | None) -> bool:
+        """A stale incremental table can be replaced by its full snapshot (a full one is never stale)."""
+        return full_tables is not None and not int(table[FULL_SLOT])
+
+    def held_now(self, r: int, table: np.ndarray) -> None:
+        self.held[r] = int(table[3])  # the table's sequence (its iteration)
+
+    def forget(self) -> None:
+        self.held = [None] * len(self.held)
+
+
 def _first_real_error(errors: list[BaseException]) -> BaseException:
     """The root cause: a peer's timeout is a consequence of another instance's failure."""
     real = [e for e in errors if not isinstance(e, FabricTimeout)]
@@ -109,8 +145,11 @@ class _LocalPools:
 class ThreadCluster(_LocalPools):
     """One thread per instance, an in-process fabric between them."""
 
+    incremental_tables = True  # run_iteration takes full_tables (see the module docstring)
+
     def __init__(self, cfg: ClusterConfig) -> None:
         self.cfg = cfg
+        self.feed = TableFeed(cfg.num_instances)
         self.pools = allocate_pools(cfg, shared=False)
         fabrics = InProcessFabric.create(cfg.num_instances, num_flags=64)
         self._executor = ThreadPoolExecutor(cfg.num_instances, thread_name_prefix="nanocp-instance")
@@ -121,20 +160,39 @@ class ThreadCluster(_LocalPools):
         self.instances = [f.result() for f in futures]
 
     def run_iteration(
-        self, tables: list[np.ndarray], rows: list[dict[int, RowInput]], return_logits: bool = False
+        self,
+        tables: list[np.ndarray],
+        rows: list[dict[int, RowInput]],
+        return_logits: bool = False,
+        full_tables: FullTables | None = None,
     ) -> list[RowOutput]:
-        futures = [
-            self._executor.submit(inst.run_iteration, RoutingTables.parse(tables[r]), rows[r], return_logits)
-            for r, inst in enumerate(self.instances)
-        ]
+        sent = [self.feed.pick(r, tables, full_tables) for r in range(len(self.instances))]
+
+        def submit(r: int):
+            return self._executor.submit(
+                self.instances[r].run_iteration, RoutingTables.parse(sent[r]), rows[r], return_logits
+            )
+
+        futures = [submit(r) for r in range(len(self.instances))]
         outputs, errors = [], []
-        for f in futures:
-            try:
-                outputs.extend(f.result())
-            except Exception as e:  # noqa: BLE001 - collected and re-raised with the root cause
-                errors.append(e)
+        for r in range(len(self.instances)):
+            while True:
+                try:
+                    outputs.extend(futures[r].result())
+                except StaleBlockTableError as e:  # refused before any exchange: its peers wait for the resend
+                    if TableFeed.can_resend_full(sent[r], full_tables):
+                        sent[r] = full_tables()[r]
+                        futures[r] = submit(r)
+                        continue
+                    errors.append(e)
+                except Exception as e:  # noqa: BLE001 - collected and re-raised with the root cause
+                    errors.append(e)
+                break
         if errors:
+            self.feed.forget()
             raise InstanceFailure(f"decode iteration failed: {_first_real_error(errors)!r}") from errors[0]
+        for r, table in enumerate(sent):
+            self.feed.held_now(r, table)
         return outputs
 
     def timing_records(self) -> list[PhaseRecord]:
@@ -158,8 +216,11 @@ class InlineCluster(_LocalPools):
     the threaded cluster, without thread switches: the fastest way to run a local cluster on a few CPU cores.
     A round in which no instance can move is a deadlock and raises at once (it never hangs)."""
 
+    incremental_tables = True  # run_iteration takes full_tables (see the module docstring)
+
     def __init__(self, cfg: ClusterConfig) -> None:
         self.cfg = cfg
+        self.feed = TableFeed(cfg.num_instances)
         self.pools = allocate_pools(cfg, shared=False)
         fabrics = InProcessFabric.create(cfg.num_instances, num_flags=64)
         # Registration is collective (it ends in a barrier), so build the instances on threads once.
@@ -168,30 +229,47 @@ class InlineCluster(_LocalPools):
             self.instances = [f.result() for f in futures]
 
     def run_iteration(
-        self, tables: list[np.ndarray], rows: list[dict[int, RowInput]], return_logits: bool = False
+        self,
+        tables: list[np.ndarray],
+        rows: list[dict[int, RowInput]],
+        return_logits: bool = False,
+        full_tables: FullTables | None = None,
     ) -> list[RowOutput]:
-        steps = {
-            r: inst.iteration(RoutingTables.parse(tables[r]), rows[r], return_logits)
-            for r, inst in enumerate(self.instances)
-        }
+        sent = [self.feed.pick(r, tables, full_tables) for r in range(len(self.instances))]
+
+        def start(r: int):
+            return self.instances[r].iteration(RoutingTables.parse(sent[r]), rows[r], return_logits)
+
+        steps = {r: start(r) for r in range(len(self.instances))}
         waits = {r: None for r in steps}
         outputs: list[RowOutput] = []
-        while waits:
-            moved = False
-            for r in list(waits):
-                wait, fabric = waits[r], self.instances[r].fabric
-                if wait is not None and any(fabric.read_flag(f) < v for f, v in wait.flags):
-                    continue
-                try:
-                    waits[r] = steps[r].send(None)
-                except StopIteration as done:
-                    outputs.extend(done.value)
-                    del waits[r]
-                except Exception as e:
-                    raise InstanceFailure(f"decode iteration failed on instance {r}: {e!r}") from e
-                moved = True
-            if not moved:
-                raise InstanceFailure(f"decode iteration deadlocked: instances {sorted(waits)} wait forever")
+        try:
+            while waits:
+                moved = False
+                for r in list(waits):
+                    wait, fabric = waits[r], self.instances[r].fabric
+                    if wait is not None and any(fabric.read_flag(f) < v for f, v in wait.flags):
+                        continue
+                    try:
+                        waits[r] = steps[r].send(None)
+                    except StopIteration as done:
+                        outputs.extend(done.value)
+                        del waits[r]
+                    except StaleBlockTableError as e:  # refused on its first resume, before any exchange
+                        if not TableFeed.can_resend_full(sent[r], full_tables):
+                            raise InstanceFailure(f"decode iteration failed on instance {r}: {e!r}") from e
+                        sent[r] = full_tables()[r]
+                        steps[r] = start(r)
+                    except Exception as e:
+                        raise InstanceFailure(f"decode iteration failed on instance {r}: {e!r}") from e
+                    moved = True
+                if not moved:
+                    raise InstanceFailure(f"decode iteration deadlocked: instances {sorted(waits)} wait forever")
+        except InstanceFailure:
+            self.feed.forget()
+            raise
+        for r, table in enumerate(sent):
+            self.feed.held_now(r, table)
         return outputs
 
     def timing_records(self) -> list[PhaseRecord]:
@@ -237,6 +315,8 @@ def _process_main(cfg: ClusterConfig, rank: int, fabric_info, pool_kv: torch.Ten
                 out = instance.run_iteration(RoutingTables.parse(table), rows, return_logits)
                 conn.send(("ok", out, instance.timing.records))
                 instance.timing.records = []
+            except StaleBlockTableError as e:  # refused before any exchange: the driver may send a full snapshot
+                conn.send(("stale", f"{type(e).__name__}: {e}"))
             except Exception as e:  # noqa: BLE001 - reported to the driver, the instance keeps serving
                 conn.send(("error", f"{type(e).__name__}: {e}", isinstance(e, FabricTimeout)))
     finally:
@@ -247,8 +327,11 @@ def _process_main(cfg: ClusterConfig, rank: int, fabric_info, pool_kv: torch.Ten
 class ProcessCluster(_LocalPools):
     """One process per instance (spawned), a shared-memory fabric between them; KV pools in shared memory."""
 
+    incremental_tables = True  # run_iteration takes full_tables (see the module docstring)
+
     def __init__(self, cfg: ClusterConfig, start_timeout_s: float = 120.0) -> None:
         self.cfg = cfg
+        self.feed = TableFeed(cfg.num_instances)
         self.pools = allocate_pools(cfg, shared=True)
         self._info = ShmFabric.new_session(cfg.num_instances, num_flags=64)
         ctx = mp.get_context("spawn")
@@ -282,13 +365,18 @@ class ProcessCluster(_LocalPools):
             raise InstanceFailure(f"instance {rank} died (exit code {self._procs[rank].exitcode})") from e
 
     def run_iteration(
-        self, tables: list[np.ndarray], rows: list[dict[int, RowInput]], return_logits: bool = False
+        self,
+        tables: list[np.ndarray],
+        rows: list[dict[int, RowInput]],
+        return_logits: bool = False,
+        full_tables: FullTables | None = None,
     ) -> list[RowOutput]:
         outputs, errors = [], []
+        sent = [self.feed.pick(r, tables, full_tables) for r in range(self.cfg.num_instances)]
         retries = {}  # instances still running this iteration -> resends so far
         for r in range(self.cfg.num_instances):
             try:
-                self._start(r, tables[r], rows[r], return_logits)
+                self._start(r, sent[r], rows[r], return_logits)
                 retries[r] = 0
             except OSError:  # broken pipe: the process is gone
                 errors.append((False, f"instance {r} died (exit code {self._procs[r].exitcode})"))
@@ -308,11 +396,14 @@ class ProcessCluster(_LocalPools):
                     errors.append((False, f"instance {r} died (exit code {self._procs[r].exitcode})"))
                     del retries[r]
                     continue
+                if msg[0] == "stale" and TableFeed.can_resend_full(sent[r], full_tables):
+                    sent[r] = full_tables()[r]  # its store missed a table: rebuild it from the full snapshot
+                    msg = ("resync", msg[1])
                 if msg[0] == "resync" and retries[r] < self.cfg.metadata_retries:
                     retries[r] += 1
                     self.resyncs += 1
                     try:
-                        self._start(r, tables[r], rows[r], return_logits)
+                        self._start(r, sent[r], rows[r], return_logits)
                         continue
                     except OSError:
                         msg = ("error", f"instance {r} died (exit code {self._procs[r].exitcode})", False)
@@ -322,11 +413,16 @@ class ProcessCluster(_LocalPools):
                     self._records.extend(msg[2])
                 elif msg[0] == "resync":
                     errors.append((False, f"instance {r}: routing table undeliverable ({msg[1]})"))
+                elif msg[0] == "stale":
+                    errors.append((False, f"instance {r}: {msg[1]}"))
                 else:
                     errors.append((msg[2], f"instance {r}: {msg[1]}"))
         if errors:
+            self.feed.forget()
             real = [text for is_timeout, text in errors if not is_timeout] or [errors[0][1]]
             raise InstanceFailure(f"decode iteration failed: {real[0]}")
+        for r, table in enumerate(sent):
+            self.feed.held_now(r, table)
         return outputs
 
     def _start(self, r: int, table: np.ndarray, rows: dict[int, RowInput], return_logits: bool) -> None:

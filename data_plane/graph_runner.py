@@ -1,13 +1,17 @@
 """The decode iteration on a graph bucket: a DecodeInstance's phases as pieces over static buffers.
 
 `decode_fields` lays out the context of a bucket (routing-table index tensors, the new tokens' positions and KV
-slots, block tables, payloads for Q, Res and LSE, activations); `build_graph_engine` makes the engine;
-`stage_routing` turns a routing table into the padded index tensors of a bucket (host side) and the send lists of
-the exchanges; `GraphRunner.iteration` runs the pieces between the exchanges, which stay outside the pieces.
+slots, the shards' block-table slots and block tables, payloads for Q, Res and LSE, activations);
+`build_graph_engine` makes the engine; `stage_routing` turns a routing table into the padded index tensors of a
+bucket for one sub-step (host side) and the send lists of the exchanges; `GraphRunner.iteration` runs the pieces
+between the exchanges, which stay outside the pieces, once per sub-step (multi-step tables re-stage the per-step
+fields: tokens, positions, KV slots, tail lengths, valid rows). The block tables are gathered on the device from
+the instance's persistent block-table store (block_store.py) by the shards' slots, in the first piece.
 
-Padding is inert: padding MoE rows write their KV to the scratch frame (the pool's last frame, never handed out
-by the scheduler), choose no expert (top-k -1) and are never sent; padding shards have length 0 and point at the
-scratch frame, so they attend to nothing (o = 0, lse = -inf); padding merge slots are -1 (no part).
+Padding is inert: padding MoE rows, and rows past their window in a sub-step, write their KV to the scratch frame
+(the pool's last frame, never handed out by the scheduler) and choose no expert (top-k -1); padding rows are never
+sent; padding shards have length 0 and read the store's empty row (all scratch frame), so they attend to nothing
+(o = 0, lse = -inf); padding merge slots are -1 (no part).
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from nanocp.models import (
     shared_expert,
 )
 
+from .block_store import store_slots
 from .experts import expert_slots
 
 if TYPE_CHECKING:
@@ -51,9 +56,11 @@ def decode_fields(
     dtype: torch.dtype,
     scratch_frame: int = 0,
     page_size: int = 1,
+    empty_slot: int = 0,
 ) -> list[FieldSpec]:
-    """The context layout. Symbolic dims come from the bucket; padding block-table entries and KV slots point at
-    `scratch_frame`. Int64 indices (torch indexing), int32 block table and lengths (FlashMLA's format)."""
+    """The context layout. Symbolic dims come from the bucket; padding KV slots point at `scratch_frame`, padding
+    shards at the block-table store's `empty_slot`. Int64 indices (torch indexing), int32 block table and lengths
+    (FlashMLA's format)."""
     c = config
     scratch_slot = scratch_frame * page_size
     heads, dqk, dv, hidden = c.num_attention_heads, c.kv_cache_dim, c.kv_lora_rank, c.hidden_size
@@ -66,11 +73,12 @@ def decode_fields(
         FieldSpec("row_valid", ("moe_batch",), torch.bool, injected=True, pad=False),
         FieldSpec("q_pack_index", ("res_recv",), i64, injected=True),  # moe row per packed query (by dst, dst row)
         FieldSpec("shard_q_index", ("shard_rows",), i64, injected=True),  # into [q_latent ; received queries]
-        FieldSpec("block_table", ("shard_rows", "max_blocks"), i32, injected=True, pad=scratch_frame),
+        FieldSpec("shard_slot", ("shard_rows",), i64, injected=True, pad=empty_slot),  # row of the block-table store
         FieldSpec("shard_lens", ("shard_rows",), i32, injected=True),
         FieldSpec("res_pack_index", ("q_recv",), i64, injected=True),  # shard per packed result (by dst, dst row)
         FieldSpec("merge_index", ("moe_batch", max_parts(num_instances)), i64, injected=True, pad=-1),
-        # payloads and activations
+        # gathered from the block-table store, payloads and activations
+        FieldSpec("block_table", ("shard_rows", "max_blocks"), i32),
         FieldSpec("h", ("moe_batch", hidden), dtype),
         FieldSpec("q_latent", ("moe_batch", heads, dqk), dtype),
         FieldSpec("q_pack", ("res_recv", heads, dqk), dtype),
@@ -128,7 +136,10 @@ def build_graph_engine(
         raise ValueError(f"bucket MoE batch {upper.moe_batch} exceeds the limit {limits.max_moe_batch}")
     if upper.q_recv > limits.max_q_recv or upper.res_recv > limits.max_res_recv:
         raise ValueError(f"bucket receive rows {upper} exceed the receive buffers {limits}")
-    fields = decode_fields(config, num_instances, limits.max_moe_batch, dtype, pool_frames - 1, page_size)
+    if upper.max_blocks > pool_frames - 1:
+        raise ValueError(f"bucket block tables of {upper.max_blocks} blocks exceed the {pool_frames - 1} frames")
+    empty_slot = store_slots(limits, pool_frames - 1)
+    fields = decode_fields(config, num_instances, limits.max_moe_batch, dtype, pool_frames - 1, page_size, empty_slot)
     return GraphEngine(family, fields, device=device)
 
 
@@ -147,8 +158,7 @@ class Exchanges:
 
 def execution_shape(table: RoutingTables) -> BucketShape:
     s = table.shape
-    blocks = int(table.shards[:, 4].max()) if len(table.shards) else 0
-    return BucketShape(s.moe_batch, s.shard_rows, s.q_recv, s.res_recv, blocks)
+    return BucketShape(s.moe_batch, s.shard_rows, s.q_recv, s.res_recv, table.max_blocks)
 
 
 def _packed_sends(send: np.ndarray) -> tuple[np.ndarray, torch.Tensor]:
@@ -167,34 +177,31 @@ def stage_routing(
     tokens: list[int],
     bucket: BucketShape,
     page_size: int,
-    scratch_frame: int,
+    store_rows: np.ndarray,
+    step: int = 0,
 ) -> Exchanges:
-    """Write the table's rows into the bucket's staging views (already filled with padding); return the sends."""
+    """Write the table's rows for sub-step `step` into the bucket's staging views (already filled with padding);
+    return the sends. `store_rows` is the host copy of the block-table store (the table's updates applied)."""
     st = {name: t.numpy() for name, t in staging.items()}
-    moe, shards, blocks = (a.astype(np.int64) for a in (table.moe, table.shards, table.blocks))
+    moe, shards = table.moe.astype(np.int64), table.shards.astype(np.int64)
     m, s, r = len(moe), len(shards), len(table.res_recv)
-    if len(blocks) and int(blocks.max()) >= scratch_frame:
-        raise ValueError(
-            f"routing table names frame {int(blocks.max())}, but frames >= {scratch_frame} are the graph path's "
-            "scratch: allocate the KV pool with one frame more than the scheduler's frames"
-        )
-    st["tokens"][:m] = tokens
-    st["positions"][:m] = moe[:, 1]
-    st["row_valid"][:m] = True
-    if s:
-        counts = shards[:, 4]
-        first = np.cumsum(counts) - counts
-        row = np.repeat(np.arange(s), counts)
-        col = np.arange(int(counts.sum())) - np.repeat(first, counts)
-        st["block_table"][row, col] = blocks[np.repeat(shards[:, 3], counts) + col]
-        st["shard_lens"][:s] = shards[:, 2]
-    tail = moe[:, 2]
+    tail, window = moe[:, 2], moe[:, 3]
     if m and int(tail.min()) < 0:
-        raise ValueError("a MoE row has no local tail shard (its new token must be written on its MoE instance)")
+        raise ValueError("a MoE row has no local tail shard (its new tokens must be written on its MoE instance)")
+    active = step < window  # [m] rows past their window are masked in this sub-step
+    j = np.minimum(step, window - 1)  # [m]
+    token_index = shards[tail, 2] - window + j  # [m] slot of the sub-step's token in its tail shard
+    st["tokens"][:m] = tokens
+    st["positions"][:m] = moe[:, 1] + j
+    st["row_valid"][:m] = active
+    if s:
+        st["shard_slot"][:s] = shards[:, 3]
+        st["shard_lens"][:s] = shards[:, 2]
+        st["shard_lens"][tail] = token_index + 1
     if m:
-        slot = shards[tail, 2] - 1  # the new token is the last token of the tail shard
-        frames = st["block_table"][tail, slot // page_size].astype(np.int64)
-        st["kv_slot"][:m] = frames * page_size + slot % page_size
+        frames = store_rows[shards[tail, 3], token_index // page_size].astype(np.int64)
+        kv_slot = frames * page_size + token_index % page_size
+        st["kv_slot"][:m] = np.where(active, kv_slot, st["kv_slot"][:m])  # masked rows keep the scratch slot
     moe_row_of_shard = np.zeros(s, dtype=np.int64)
     moe_row_of_shard[tail] = np.arange(m)
     source = shards[:, 1] if s else np.zeros(0, dtype=np.int64)
@@ -239,14 +246,21 @@ class GraphRunner:
             )
         self.page_size = pool.page_size
         self.scratch_frame = pool.frames - 1
+        self.store = instance.block_store
         needed = {f.name for f in decode_fields(instance.model.config, instance.fabric.world_size, 1, torch.float32)}
         missing = needed - {f.name for f in engine.fields}
         if missing:
             raise ValueError(f"graph engine lacks the decode fields {sorted(missing)} (use build_graph_engine)")
         pad = {f.name: f.pad for f in engine.fields}
-        if pad["block_table"] != self.scratch_frame or pad["kv_slot"] != self.scratch_frame * self.page_size:
+        if pad["kv_slot"] != self.scratch_frame * self.page_size:
             raise ValueError(
-                f"graph engine pads with frame {pad['block_table']}, the pool's scratch frame is {self.scratch_frame}"
+                f"graph engine pads with KV slot {pad['kv_slot']}, the pool's scratch frame is {self.scratch_frame}"
+            )
+        if pad["shard_slot"] != self.store.empty_row or engine.family.upper.max_blocks > self.store.max_blocks:
+            raise ValueError(
+                f"graph engine pads shards with store row {pad['shard_slot']} and block tables up to "
+                f"{engine.family.upper.max_blocks} blocks; the block-table store's empty row is "
+                f"{self.store.empty_row}, its width {self.store.max_blocks}"
             )
         self.kernels = instance.backends.kernels
         self.pieces = self._make_pieces()
@@ -270,6 +284,8 @@ class GraphRunner:
 
     # ---- pieces: functions of the context only ---------------------------------------------------------
     def _embed(self, ctx: BucketContext) -> None:
+        store = self.store.table[:, : ctx.bucket.max_blocks]  # [slots + 1, B] view of the static store
+        torch.index_select(store, 0, ctx["shard_slot"], out=ctx["block_table"])
         ctx["h"].copy_(embed(self.inst.model, ctx["tokens"]))
 
     def _project(self, ctx: BucketContext, layer) -> None:
@@ -320,15 +336,34 @@ class GraphRunner:
     def iteration(
         self, table: RoutingTables, rows: dict[int, RowInput], return_logits: bool, bucket: BucketShape, timing_ctx
     ) -> Iterator:
-        """Generator like DecodeInstance.iteration: yields a Wait at every exchange, returns the sampled rows."""
+        """Generator like DecodeInstance.iteration: yields a Wait at every exchange, returns the sampled rows of
+        every sub-step (the table's block updates are already in the store)."""
+        inst, engine = self.inst, self.engine
+        ctx = engine.context(bucket)
+        batch_indices = table.moe[:, 0].tolist()
+        window = table.moe[:, 3]
+        tokens = [rows[b].token for b in batch_indices]
+        outputs = []
+        for j in range(table.num_steps):
+            staging = engine.begin_injection(ctx)
+            ex = stage_routing(staging, table, tokens, bucket, self.page_size, self.store.host, j)
+            engine.inject(ctx)
+            yield from self._layers(ctx, ex, timing_ctx)
+            with inst.timing.phase("sampling", -1, timing_ctx):
+                self._run(ctx, "logits")
+                active = [r for r in range(len(tokens)) if j < window[r]]
+                out = inst._sample_rows(
+                    ctx["logits"][active], [batch_indices[r] for r in active], rows, return_logits, j
+                )
+            for r, o in zip(active, out):  # each active row's sampled token is its next input
+                tokens[r] = o.token
+            outputs += out
+        return outputs
+
+    def _layers(self, ctx: BucketContext, ex: Exchanges, timing_ctx) -> Iterator:
         from .instance import Wait
 
-        inst, engine, run = self.inst, self.engine, self._run
-        ctx = engine.context(bucket)
-        tokens = [rows[int(b)].token for b in table.moe[:, 0]]
-        ex = stage_routing(engine.begin_injection(ctx), table, tokens, bucket, self.page_size, self.scratch_frame)
-        engine.inject(ctx)
-        timing = inst.timing
+        inst, run, timing = self.inst, self._run, self.inst.timing
         run(ctx, "embed")
         for layer in inst.model.layers:
             i = layer.index
@@ -350,9 +385,6 @@ class GraphRunner:
                     run(ctx, f"dense.{i}")
             else:
                 yield from self._moe(ctx, layer, timing_ctx)
-        with timing.phase("sampling", -1, timing_ctx):
-            run(ctx, "logits")
-            return inst._sample_rows(ctx["logits"][: len(tokens)], table.moe[:, 0].tolist(), rows, return_logits)
 
     def _moe(self, ctx: BucketContext, layer, timing_ctx):
         from .instance import Wait
@@ -404,7 +436,8 @@ def plan_pool(
 ) -> PoolPlan:
     from nanocp.graphs import PoolLayout
 
-    fields = decode_fields(config, num_instances, limits.max_moe_batch, dtype, pool_frames - 1, page_size)
+    empty_slot = store_slots(limits, pool_frames - 1)
+    fields = decode_fields(config, num_instances, limits.max_moe_batch, dtype, pool_frames - 1, page_size, empty_slot)
     upper = family.upper.sizes()
     layout = PoolLayout(fields, upper)
     pieces = len(piece_names(config))

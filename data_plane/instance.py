@@ -1,6 +1,13 @@
 """One DP-EP decode instance: paged latent KV pool, its slice of the experts, and the decode step.
 
-Per layer, for the iteration's routing table (control_plane/lowering.py):
+The routing table's block updates are applied to the instance's block-table store first (block_store.py): an
+incremental table that does not build on the store's last table is refused (StaleBlockTableError), the driver then
+sends a full snapshot. An iteration runs `num_steps` decode sub-steps (multi-step execution; every instance runs
+the same number: the MoE exchange is a barrier). In sub-step j a MoE row decodes its token at position first + j,
+writing its KV into the tail shard's reserved slot n - window + j; rows with j >= window are masked (no KV write,
+no expert, no output). The token sampled in sub-step j is the row's input in sub-step j + 1.
+
+Per layer and sub-step, for the iteration's routing table (control_plane/lowering.py):
   1. projection + Q-routing: queries of the requests whose MoE binding is here; the new token's KV is written
      into the request's tail shard here; queries go to the other instances of each request's KV binding;
   2. paged attention over the local shards -> (o, lse) per (request, shard);
@@ -18,7 +25,7 @@ eagerly, with a GraphFallbackWarning.
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -42,6 +49,7 @@ from nanocp.models import (
 )
 
 from .backends import Backends
+from .block_store import BlockTableStore
 from .experts import expert_slots, owned_experts
 from .graph_runner import GraphRunner, execution_shape
 from .kv_pool import PagedKVPool
@@ -62,9 +70,9 @@ class InstanceLimits:
 class RowInput:
     """What the driver gives an instance for one of its MoE rows."""
 
-    token: int
+    token: int  # the input of the first sub-step (later sub-steps take the token sampled before them)
     params: SamplingParams
-    output_index: int  # index of the token this iteration produces in the request's output
+    output_index: int  # index in the request's output of the token the first sub-step produces
     fallback_seed: int
 
 
@@ -80,6 +88,7 @@ class RowOutput:
     batch_index: int
     token: int
     logits: torch.Tensor | None  # [vocab] when requested
+    step: int = 0  # sub-step that produced the token (its output index is the row's output_index + step)
 
 
 class DecodeInstance:
@@ -125,6 +134,11 @@ class DecodeInstance:
                 raise ValueError(f"instance {rank} must hold experts {sorted(missing)}")
         self._seq = 0
         self._expert_out: torch.Tensor | None = None
+        # The graph path keeps the pool's last frame as scratch: the scheduler's frames are the others, and the
+        # store's empty row (padding shards) points at the scratch frame.
+        frames = pool.frames - (1 if graphs is not None else 0)
+        fill = pool.frames - 1 if graphs is not None else 0
+        self.block_store = BlockTableStore.for_instance(limits, frames, fill, pool.kv.device)
         self.graphs = graphs
         self._graph_runner = GraphRunner(self, graphs) if graphs is not None else None
 
@@ -146,15 +160,17 @@ class DecodeInstance:
             return done.value
 
     def iteration(self, table: RoutingTables, rows: dict[int, RowInput], return_logits: bool = False):
-        """The iteration as a generator: it yields a `Wait` at every exchange and returns the sampled rows.
+        """The iteration as a generator: it yields a `Wait` at every exchange and returns the sampled rows, one per
+        (MoE row, sub-step inside its window), in sub-step order.
 
-        `run_iteration` blocks on each Wait (one thread or process per instance); `LockstepCluster` drives all
-        instances' generators from one thread, resuming whichever instance's Wait is satisfied.
+        `run_iteration` blocks on each Wait (one thread or process per instance); `InlineCluster` drives all
+        instances' generators from one thread, resuming whichever instance's Wait is satisfied. The table is checked
+        and its block updates applied before the first exchange (a refused table raises on the first resume).
         """
         self._check_table(table, rows)
+        self.block_store.apply(table)
         shape = table.shape
-        moe = torch.from_numpy(table.moe).long()  # [m, 3]: batch index, position, local shard
-        shards = torch.from_numpy(table.shards).long()  # [s, 5]
+        shards = torch.from_numpy(table.shards).long()  # [s, 4]
         ctx = dict(
             iteration=table.iteration,
             instance=self.rank,
@@ -175,15 +191,24 @@ class DecodeInstance:
                 GraphFallbackWarning,
                 stacklevel=2,
             )
-        step = _StepTables.build(table, moe, shards, self.pool.page_size)
+        plan = _StepTables.build(table, self.block_store, self.pool.page_size)
         device = self.model.embed_tokens.device
-        tokens = torch.tensor([rows[int(b)].token for b in moe[:, 0]], dtype=torch.int64, device=device)
+        batch_indices = table.moe[:, 0].tolist()
+        tokens = [rows[b].token for b in batch_indices]
+        outputs: list[RowOutput] = []
         with torch.no_grad():
-            h = embed(self.model, tokens) if len(tokens) else self._empty_hidden()  # [m, D]
-            for layer in self.model.layers:
-                h = yield from self._layer(layer, h, step, ctx)
-            with self.timing.phase("sampling", -1, ctx):
-                return self._sample(h, moe, rows, return_logits)
+            for j in range(table.num_steps):
+                step = plan.sub_step(j)
+                x = torch.tensor(tokens, dtype=torch.int64, device=device)
+                h = embed(self.model, x) if len(x) else self._empty_hidden()  # [m, D]
+                for layer in self.model.layers:
+                    h = yield from self._layer(layer, h, step, ctx)
+                with self.timing.phase("sampling", -1, ctx):
+                    out = self._sample(h, step, batch_indices, rows, return_logits)
+                outputs += out
+                for o in out:  # each active row's sampled token is its next input
+                    tokens[step.row_of[o.batch_index]] = o.token
+        return outputs
 
     def _check_table(self, table: RoutingTables, rows: dict[int, RowInput]) -> None:
         if table.instance != self.rank:
@@ -204,8 +229,8 @@ class DecodeInstance:
         timing = self.timing
         with timing.phase("projection", i, ctx):
             q_latent, kv_new = mla_decode_qkv(layer, h, step.positions)  # [m, H, Dqk], [m, Dkv]
-            if len(kv_new):
-                self.pool.write_tokens(i, step.new_frames, step.new_slots, kv_new)
+            if len(step.write_rows):  # masked rows (past their window) write nothing
+                self.pool.write_tokens(i, step.new_frames, step.new_slots, kv_new[step.write_rows])
         seq = self._next_seq()
         with timing.phase("q_route", i, ctx):
             self.q_route.send(step.q_send, q_latent, seq)
@@ -237,13 +262,14 @@ class DecodeInstance:
         if layer.moe is None:
             with timing.phase("dense", i, ctx):
                 return h + dense_mlp(layer, x)
-        routed = yield from self._moe(layer, x, ctx)
+        routed = yield from self._moe(layer, x, step.active, ctx)
         return h + routed
 
-    def _moe(self, layer, x: torch.Tensor, ctx: dict):
+    def _moe(self, layer, x: torch.Tensor, active: torch.Tensor, ctx: dict):
         timing, i, dispatcher = self.timing, layer.index, self.dispatcher
         with timing.phase("dispatch", i, ctx):
             topk_idx, topk_weights = moe_gate(layer, x)  # [m, k]
+            topk_idx = topk_idx.masked_fill(~active[:, None], -1)  # masked rows choose no expert
             pending = dispatcher.dispatch_send(x, topk_idx)
         yield Wait(dispatcher.wait_flags(pending))
         with timing.phase("experts", i, ctx):
@@ -261,20 +287,29 @@ class DecodeInstance:
         with timing.phase("combine", i, ctx):
             return dispatcher.combine_finish(handle, topk_weights, y.dtype) + shared_expert(layer, x)
 
-    def _sample(self, h: torch.Tensor, moe: torch.Tensor, rows: dict[int, RowInput], keep: bool) -> list[RowOutput]:
-        if not len(h):
+    def _sample(
+        self, h: torch.Tensor, step: _StepTables, batch_indices: list[int], rows: dict[int, RowInput], keep: bool
+    ) -> list[RowOutput]:
+        active = step.active_rows
+        if not len(active):
             return []
-        return self._sample_rows(logits(self.model, h), moe[:, 0].tolist(), rows, keep)
+        return self._sample_rows(logits(self.model, h[active]), [batch_indices[r] for r in active], rows, keep, step.j)
 
     def _sample_rows(
-        self, step_logits: torch.Tensor, batch_indices: list[int], rows: dict[int, RowInput], keep: bool
+        self,
+        step_logits: torch.Tensor,
+        batch_indices: list[int],
+        rows: dict[int, RowInput],
+        keep: bool,
+        step: int = 0,
     ) -> list[RowOutput]:
-        """step_logits [m, vocab], one row per MoE row (batch_indices in the same order) -> sampled rows."""
+        """step_logits [a, vocab], one row per active MoE row (batch_indices in the same order) -> sampled rows of
+        sub-step `step`."""
         out = []
         for r, batch_index in enumerate(batch_indices):
             inp = rows[batch_index]
-            token = sample_token(step_logits[r], inp.params, inp.output_index, inp.fallback_seed)
-            out.append(RowOutput(batch_index, token, step_logits[r].clone() if keep else None))
+            token = sample_token(step_logits[r], inp.params, inp.output_index + step, inp.fallback_seed)
+            out.append(RowOutput(batch_index, token, step_logits[r].clone() if keep else None, step))
         return out
 
     def _next_seq(self) -> int:
@@ -316,38 +351,46 @@ def _merge_by_row(o_parts: torch.Tensor, lse_parts: torch.Tensor, row: torch.Ten
 
 @dataclass
 class _StepTables:
-    """The routing table turned into index tensors once per iteration (shared by every layer)."""
+    """The routing table turned into index tensors once per iteration (shared by every layer), with the fields of
+    one sub-step j (`sub_step`): positions, the KV slots written, the tail shards' lengths, the active rows."""
 
-    positions: torch.Tensor  # [m] position of each moe row's new token
-    new_frames: torch.Tensor  # [m] frame of the new token's KV slot
-    new_slots: torch.Tensor  # [m] slot inside that frame
     q_send: torch.Tensor  # [n, 3] (dst, src moe row, dst row)
     q_sources: list[int]
     local_shard_idx: torch.Tensor
     local_shard_moe_row: torch.Tensor
     remote_shard_idx: torch.Tensor
     remote_shard_q_row: torch.Tensor
-    block_table: torch.Tensor  # [s, max_blocks]
-    shard_lens: torch.Tensor  # [s]
+    block_table: torch.Tensor  # [s, max_blocks] from the block-table store
     res_send: torch.Tensor  # [n, 3] (dst, src shard, dst row)
     res_sources: list[int]
     n_res_recv: int
     merge_local_shard: torch.Tensor  # [m] local shard index per moe row
     merge_row: torch.Tensor  # [m + r] moe row of each partial (local ones first, then received rows)
+    row_of: dict[int, int]  # batch index -> moe row
+    first: torch.Tensor  # [m] position of each moe row's first new token
+    window: torch.Tensor  # [m] decode steps of each moe row
+    tail_lens: torch.Tensor  # [m] tokens of each moe row's tail shard (its window's slots included)
+    full_lens: torch.Tensor  # [s] tokens of every shard
+    page_size: int
+    # one sub-step
+    j: int = 0
+    positions: torch.Tensor | None = None  # [m] position of each moe row's token in sub-step j
+    active: torch.Tensor | None = None  # [m] bool: j < window
+    active_rows: list[int] | None = None  # moe rows with j < window
+    write_rows: torch.Tensor | None = None  # [a] moe rows writing KV (the active ones)
+    new_frames: torch.Tensor | None = None  # [a] frame of each written token's KV slot
+    new_slots: torch.Tensor | None = None  # [a] slot inside that frame
+    shard_lens: torch.Tensor | None = None  # [s] tokens attended in sub-step j
 
     @classmethod
-    def build(cls, t: RoutingTables, moe: torch.Tensor, shards: torch.Tensor, page_size: int) -> _StepTables:
-        blocks = torch.from_numpy(t.blocks).long()
+    def build(cls, t: RoutingTables, store: BlockTableStore, page_size: int) -> _StepTables:
+        moe = torch.from_numpy(t.moe).long()  # [m, 4]: batch index, first position, local tail shard, window
+        shards = torch.from_numpy(t.shards).long()  # [s, 4]: batch index, q source, tokens, slot
         n_shards = len(shards)
-        max_blocks = int(shards[:, 4].max()) if n_shards else 0
-        block_table = torch.zeros(n_shards, max(1, max_blocks), dtype=torch.int64)
-        for s in range(n_shards):
-            offset, count = int(shards[s, 3]), int(shards[s, 4])
-            block_table[s, :count] = blocks[offset : offset + count]
-        # The new token is the last token of the moe row's local (tail) shard.
+        block_table = store.rows(t.shards[:, 3], max(1, t.max_blocks))  # [s, max_blocks]
         tail = moe[:, 2]
-        tail_slot = shards[tail, 2] - 1 if len(moe) else torch.zeros(0, dtype=torch.int64)
-        new_frames = block_table[tail, tail_slot // page_size] if len(moe) else tail_slot
+        if len(moe) and int(tail.min()) < 0:
+            raise ValueError("a MoE row has no local tail shard (its new tokens must be written on its MoE instance)")
         local = shards[:, 1] < 0 if n_shards else torch.zeros(0, dtype=torch.bool)
         shard_to_moe_row = torch.full((n_shards,), -1, dtype=torch.int64)
         shard_to_moe_row[tail] = torch.arange(len(moe))
@@ -356,10 +399,8 @@ class _StepTables:
         res_recv = torch.from_numpy(t.res_recv).long()
         local_idx = torch.nonzero(local).flatten()
         remote_idx = torch.nonzero(~local).flatten()
+        full_lens = shards[:, 2] if n_shards else torch.zeros(0, dtype=torch.int64)
         return cls(
-            positions=moe[:, 1],
-            new_frames=new_frames,
-            new_slots=tail_slot % page_size,
             q_send=q_send[:, [1, 0, 2]] if len(q_send) else q_send.reshape(0, 3),
             q_sources=sorted({int(s) for s in t.q_recv[:, 0]}),
             local_shard_idx=local_idx,
@@ -367,10 +408,38 @@ class _StepTables:
             remote_shard_idx=remote_idx,
             remote_shard_q_row=shards[remote_idx, 1],
             block_table=block_table,
-            shard_lens=shards[:, 2] if n_shards else torch.zeros(0, dtype=torch.int64),
             res_send=res_send[:, [1, 0, 2]] if len(res_send) else res_send.reshape(0, 3),
             res_sources=sorted({int(s) for s in t.res_recv[:, 0]}),
             n_res_recv=len(res_recv),
             merge_local_shard=tail,
             merge_row=torch.cat([torch.arange(len(moe)), res_recv[:, 1] if len(res_recv) else res_recv.reshape(0)]),
+            row_of={int(b): r for r, b in enumerate(t.moe[:, 0])},
+            first=moe[:, 1],
+            window=moe[:, 3],
+            tail_lens=full_lens[tail] if len(moe) else torch.zeros(0, dtype=torch.int64),
+            full_lens=full_lens,
+            page_size=page_size,
+        )
+
+    def sub_step(self, j: int) -> _StepTables:
+        """Sub-step j: a row past its window (masked) keeps its last position and whole tail shard, writes
+        nothing and is not sampled."""
+        active = j < self.window  # [m]
+        step = torch.minimum(torch.full_like(self.window, j), self.window - 1)  # [m]
+        token_index = self.tail_lens - self.window + step  # [m] slot of the token in its tail shard
+        shard_lens = self.full_lens.clone()
+        shard_lens[self.merge_local_shard] = token_index + 1
+        write_rows = torch.nonzero(active).flatten()
+        write_index = token_index[write_rows]
+        tail = self.merge_local_shard[write_rows]
+        return replace(
+            self,
+            j=j,
+            positions=self.first + step,
+            active=active,
+            active_rows=write_rows.tolist(),
+            write_rows=write_rows,
+            new_frames=self.block_table[tail, write_index // self.page_size].long(),
+            new_slots=write_index % self.page_size,
+            shard_lens=shard_lens,
         )

@@ -3,7 +3,10 @@
 Each `step()` is one decode iteration: the scheduler plans (admissions, bindings, growth, preemptions) and lowers
 the plan into per-instance routing tables; admitted requests are prefilled and their KV is written straight into
 the pages of their KV binding; every instance runs the iteration; sampled tokens are appended and stop conditions
-checked. `nanocp.LLM` (offline) and the HTTP server both drive this class.
+checked. With `num_steps = k > 1` (multi-step execution) an iteration decodes up to k tokens per request: the
+scheduler reserves their KV up front, the instances run k sub-steps, and each request's tokens are appended in
+order up to its first stop condition (the rest of its window is discarded). `nanocp.LLM` (offline) and the HTTP
+server both drive this class.
 """
 
 from __future__ import annotations
@@ -13,9 +16,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from nanocp.control_plane import Admission, ClusterSpec, CPBucketTable, GlobalScheduler
+from nanocp.control_plane import Admission, ClusterSpec, CPBucketTable, GlobalScheduler, IterationPlan
 from nanocp.data_plane.cluster import ClusterConfig, InstanceFailure, make_cluster
-from nanocp.data_plane.instance import InstanceLimits, RowInput
+from nanocp.data_plane.instance import InstanceLimits, RowInput, RowOutput
 from nanocp.data_plane.sampling import SamplingParams, sample_token
 from nanocp.data_plane.timing import PhaseRecord
 from nanocp.models import load_config, load_model, load_tokenizer, prefill_forward, prefill_forward_packed
@@ -38,11 +41,14 @@ class EngineConfig:
     timing: bool = False
     metadata_timeout_s: float = 2.0  # processes backend: wait for a routing table before asking for a resend
     use_graphs: bool = False  # AOT graph engine (buckets over the execution shape, one static pool)
+    num_steps: int = 1  # decode steps per iteration (multi-step execution: one plan, k sub-steps on the instances)
     # Intra-op threads for torch in this process (None: leave torch's setting). Decode work here is many small
     # ops; OpenMP fan-out on them costs more than it gives, badly so when other processes share the cores.
     torch_threads: int | None = 1
 
     def cluster_spec(self) -> ClusterSpec:
+        if not isinstance(self.num_steps, int) or isinstance(self.num_steps, bool) or self.num_steps < 1:
+            raise ValueError(f"num_steps must be an int >= 1, got {self.num_steps!r}")
         per_node = self.instances_per_node or self.decode_instances
         if self.decode_instances < 1 or self.decode_instances % per_node:
             raise ValueError(
@@ -230,8 +236,8 @@ class Engine:
 
     @torch.no_grad()
     def step(self) -> list[RequestOutput]:
-        """One decode iteration; returns the requests that ended in it."""
-        plan = self.scheduler.step()
+        """One decode iteration (num_steps decode steps); returns the requests that ended in it."""
+        plan = self.scheduler.step(self.config.num_steps)
         self.iterations += 1
         self.last_updated = []
         for rid in plan.finished:
@@ -240,27 +246,34 @@ class Engine:
             self._end(self.requests[rid], "error", "the cluster can no longer hold this request")
         for rid in plan.preempted:
             self.requests[rid].metrics.preemptions += 1
-        batch, tables = plan.batch, plan.tables
+        batch = plan.batch
         if plan.admitted:
             self._prefill(plan.admitted)
+        try:
+            outputs = self._run_iteration(plan) if batch else []  # an empty batch lowers nothing
+        except InstanceFailure as e:
+            self._recover(e)
+            outputs = []
+        now = time.monotonic()
+        for out in sorted(outputs, key=lambda o: (o.batch_index, o.step)):
+            req = self.requests[batch[out.batch_index]]
+            if req.finish_reason is None:  # tokens after a stop inside the window are dropped
+                self._append(req, out.token, out.logits, now)
+        done, self._done = self._done, []
+        return done
+
+    def _run_iteration(self, plan: IterationPlan) -> list[RowOutput]:
+        """The plan's routing tables and each MoE row's input to the cluster; the sampled rows back."""
+        batch = plan.batch
         rows: list[dict[int, RowInput]] = [{} for _ in range(self.spec.num_instances)]
         for instance in range(self.spec.num_instances):
             for batch_index in plan.routing(instance).moe[:, 0].tolist():
                 req = self.requests[batch[batch_index]]
                 rows[instance][batch_index] = RowInput(req.output[-1], req.params, len(req.output), req.seed)
         keep = any(self.requests[rid].keep_logits for rid in batch)
-        try:
-            outputs = self.cluster.run_iteration(tables, rows, keep) if batch else []
-        except InstanceFailure as e:
-            self._recover(e)
-            outputs = []
-        now = time.monotonic()
-        for out in outputs:
-            req = self.requests[batch[out.batch_index]]
-            if req.finish_reason is None:
-                self._append(req, out.token, out.logits, now)
-        done, self._done = self._done, []
-        return done
+        if getattr(self.cluster, "incremental_tables", False):
+            return self.cluster.run_iteration(plan.tables, rows, keep, full_tables=plan.full_tables)
+        return self.cluster.run_iteration(plan.full_tables(), rows, keep)  # a cluster that tracks no store state
 
     def _prefill(self, admitted: list[Admission]) -> None:
         """Compute the admitted contexts' KV on the driver (all prompts packed in one forward) and write it into
@@ -272,9 +285,11 @@ class Engine:
         for adm, out in zip(admitted, outs):
             req = self.requests[adm.rid]
             moe = self.scheduler.request_state(adm.rid).moe_instance
+            shards = self.scheduler.shard_pages(adm.rid)
+            window = sum(n_tokens for _, n_tokens, _ in shards) - adm.context_len  # slots reserved for decoding
             start = 0
-            for instance, n_tokens, frames in self.scheduler.shard_pages(adm.rid):
-                n_context = n_tokens - (1 if instance == moe else 0)  # the moe shard's last slot: the new token
+            for instance, n_tokens, frames in shards:
+                n_context = n_tokens - (window if instance == moe else 0)  # the moe shard's tail: the new tokens
                 self.cluster.write_kv(instance, frames, out.kv[:, start : start + n_context])
                 start += n_context
             if start != adm.context_len:
