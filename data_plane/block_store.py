@@ -58,10 +58,6 @@ class BlockTableStore:
     def max_blocks(self) -> int:
         return self.host.shape[1]
 
-    def reset(self) -> None:
-        """Forget every table (the store is then an empty store; its contents are not read before rewritten)."""
-        self.seq = EMPTY_STORE
-
     def check(self, table: RoutingTables) -> None:
         """Raise unless `table` can be applied: it builds on this store's state and names slots, blocks and frames
         inside the store's bounds."""

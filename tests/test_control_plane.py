@@ -1,4 +1,5 @@
-"""Control-plane behaviour: page table, WaterFill, scheduler invariants, NanoCP's own examples, bad input."""
+"""Control-plane behaviour: page table, WaterFill, scheduler invariants, NanoCP's own examples, multi-step windows,
+block-table slots and incremental tables, bad input."""
 
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ try:  # the C++ core is tested whenever it is built (it always is by `make test`
 except ImportError:
     pass
 
-CPP_POLICIES = {"nanocp", "least-batch", "least-cache", "round-robin", "uniform-cp"}
+CPP_POLICIES = {"nanocp", "least-batch", "least-cache", "round-robin", "uniform-cp", "medha", "csps"}
 POLICIES = ["nanocp", "least-batch", "least-cache", "round-robin", "uniform-cp:2", "medha:24", "csps:40"]
 
 
@@ -406,3 +407,172 @@ def test_cp_bucket_table_roundtrip(tmp_path):
         CPBucketTable.load(tmp_path / "bad.json")
     with pytest.raises(SchedulerError):
         CPBucketTable((10, 5), (1, 2))
+
+
+# ------------------------------------------------------------------ multi-step windows
+
+
+def moe_row(plan, rid: str) -> tuple[int, np.ndarray]:
+    """(MoE instance, its moe row [batch index, first position, tail shard, window]) of a request in the batch."""
+    g = plan.batch.index(rid)
+    moe = plan.bindings[rid][0]
+    rows = plan.routing(moe).moe
+    return moe, rows[rows[:, 0] == g][0]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_windows_reserve_kv_and_count_decode_steps(backend):
+    sched = GlobalScheduler(ClusterSpec(1, 4, 4096, 16), "least-batch", backend=backend)
+    sched.add_request("a", prompt_len=30, max_new_tokens=11)  # 10 decode steps: windows 4, 4, 2
+    windows, done = [], 0
+    while True:
+        plan = sched.step(4)
+        if "a" in plan.finished:
+            break
+        moe, row = moe_row(plan, "a")
+        context = sum(plan.bindings["a"][1].values())  # the window's slots included
+        assert plan.routing(moe).num_steps == 4 and row[1] == context - row[3] == 30 + done
+        tail = plan.routing(moe).shards[row[2]]
+        assert tail[2] == context  # one shard: the window's tokens are reserved at its tail
+        windows.append(int(row[3]))
+        done += int(row[3])
+        assert sched.request_state("a").decode_steps == done
+    assert windows == [4, 4, 2]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_random_num_steps_decode_exactly_the_budget(backend):
+    spec = ClusterSpec(1, 4, 4096, 16)
+    sched = GlobalScheduler(spec, "nanocp", backend=backend)
+    rnd = random.Random(5)
+    want = {f"r{i}": rnd.randint(1, 15) for i in range(30)}
+    for rid, n in want.items():
+        sched.add_request(rid, rnd.randint(10, 300), n)
+    decoded = dict.fromkeys(want, 0)
+    finished = set()
+    while len(finished) < len(want):
+        k = rnd.choice([1, 2, 3, 4, 8])
+        plan = sched.step(k)
+        finished |= set(plan.finished)
+        for rid in plan.batch:
+            window = int(moe_row(plan, rid)[1][3])
+            assert 1 <= window <= k
+            decoded[rid] += window
+        sched.check_invariants()
+    assert decoded == {rid: n - 1 for rid, n in want.items()}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_admission_falls_back_to_a_window_of_one(backend):
+    """The full window does not fit next to a running request; a window of one does: admitted, nothing stalls."""
+    sched = GlobalScheduler(ClusterSpec(1, 1, 64, 4), "least-batch", backend=backend)  # 16 frames
+    sched.add_request("a", prompt_len=40, max_new_tokens=20)
+    sched.step(1)  # a: 41 tokens, 11 pages
+    sched.add_request("b", prompt_len=14, max_new_tokens=10)
+    plan = sched.step(4)  # a grows to 45 tokens (12 pages); b needs 18 tokens (5 pages) for 4 steps, 4 are free
+    assert [(x.rid, x.context_len) for x in plan.admitted] == [("b", 14)]
+    assert int(moe_row(plan, "a")[1][3]) == 4 and int(moe_row(plan, "b")[1][3]) == 1
+    assert plan.bindings["b"] == (0, {0: 15}) and sched.loads()[0].free_pages == 0
+    assert sched.request_state("b").decode_steps == 1
+    sched.check_invariants()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_growth_needs_room_for_the_whole_window(backend):
+    sched = GlobalScheduler(ClusterSpec(1, 2, 32, 4), "least-batch", backend=backend)
+    sched.add_request("a", prompt_len=28, max_new_tokens=20)
+    assert sched.step(1).bindings["a"] == (0, {0: 29})  # 8 pages: 3 free slots at the tail, no free page
+    plan = sched.step(4)  # 4 tokens do not fit instance 0: they go to instance 1, and the MoE binding follows
+    assert plan.bindings["a"] == (1, {0: 29, 1: 4})
+    moe, row = moe_row(plan, "a")
+    assert moe == 1 and row[1] == 29 and row[3] == 4
+
+
+def test_bad_num_steps_is_rejected():
+    sched = GlobalScheduler(ClusterSpec(1, 2, 1000, 8), backend="python")
+    sched.add_request("a", 10, 5)
+    for bad in (0, -1, 2**31, 1.5, True, "2"):
+        with pytest.raises(SchedulerError, match="num_steps"):
+            sched.step(bad)
+    assert sched.step(2).iteration == 0 and "a" in sched
+
+
+# ------------------------------------------------------------------ block-table slots and incremental tables
+
+
+def apply_updates(store: dict[tuple[int, int], int], table: RoutingTables) -> None:
+    for slot, block, frame in table.updates.tolist():
+        store[slot, block] = frame
+
+
+def assert_store_holds_shards(store: dict, table: RoutingTables, plan, sched, page: int) -> None:
+    """Every shard row's slot holds exactly that shard's frames (what a full block table would list)."""
+    for g, _, n_tokens, slot in table.shards.tolist():
+        frames = next(f for i, _, f in sched.shard_pages(plan.batch[g]) if i == table.instance)
+        assert len(frames) == -(-n_tokens // page)
+        assert [store.get((slot, b)) for b in range(len(frames))] == frames
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("policy", ["nanocp", "least-cache", "medha:24", "csps:40"])
+def test_incremental_tables_rebuild_the_full_block_tables(backend, policy):
+    """A consumer applying every lowered table's updates holds what a full snapshot lists; tables chain by
+    base_seq (skipped iterations included); slots stay below the most shards an instance held at a step's end."""
+    rnd = random.Random(hash((backend, policy)) & 0xFFFF)
+    spec = ClusterSpec(2, 2, 256, 4)
+    sched = GlobalScheduler(spec, policy, cp_buckets=CPBucketTable((30, 10**9), (1, 3)), backend=backend)
+    n = spec.num_instances
+    stores: list[dict] = [{} for _ in range(n)]
+    held = [-1] * n  # the sequence of the last table each consumer applied
+    most_rows, updates, reused = [0] * n, 0, 0
+    owner: dict[tuple[int, int], str] = {}  # (instance, slot) -> request that last held it
+    submitted: list[str] = []
+    for step in range(80):
+        for k in range(rnd.randint(0, 3)):
+            submitted.append(f"r{step}.{k}")
+            sched.add_request(submitted[-1], rnd.randint(1, min(120, sched.core.max_context())), rnd.randint(1, 25))
+        live = [rid for rid in submitted if rid in sched]
+        if live and rnd.random() < 0.15:
+            sched.finish(rnd.choice(live))
+        plan = sched.step(rnd.choice([1, 1, 2, 4]))
+        most_rows = [max(m, load.shards) for m, load in zip(most_rows, sched.loads())]  # shard rows at step end
+        if rnd.random() < 0.2:
+            continue  # this iteration is not lowered: the next tables build on the last lowered ones
+        for i in range(n):
+            table = RoutingTables.parse(plan.tables[i])
+            assert table.base_seq == held[i] and not table.full
+            apply_updates(stores[i], table)
+            held[i] = table.iteration
+            updates += len(table.updates)
+            assert all(slot < most_rows[i] for slot in table.shards[:, 3].tolist())
+            assert_store_holds_shards(stores[i], table, plan, sched, spec.page_size)
+            for g, slot in table.shards[:, [0, 3]].tolist():
+                reused += owner.get((i, slot), plan.batch[g]) != plan.batch[g]
+                owner[i, slot] = plan.batch[g]
+        if rnd.random() < 0.2:  # a fresh consumer rebuilt from full snapshots holds the same block tables
+            for i in range(n):
+                full = RoutingTables.parse(plan.full_tables()[i])
+                assert full.full and full.base_seq == -1 and full.iteration == plan.iteration
+                fresh: dict = {}
+                apply_updates(fresh, full)
+                assert_store_holds_shards(fresh, full, plan, sched, spec.page_size)
+                assert np.array_equal(full.shards, RoutingTables.parse(plan.tables[i]).shards)
+    assert updates > 0 and reused > 0, "no table listed a block, or no slot was ever reused"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_tables_list_only_new_frames(backend):
+    sched = GlobalScheduler(ClusterSpec(1, 1, 4096, 4), "least-batch", backend=backend)
+    sched.add_request("a", prompt_len=400, max_new_tokens=30)
+    first = RoutingTables.parse(sched.step().tables[0])
+    assert len(first.updates) == 101 and first.base_seq == -1  # 401 tokens in pages of 4: all new
+    seen = []
+    for _ in range(8):  # one token per iteration: a new page every fourth
+        table = RoutingTables.parse(sched.step().tables[0])
+        seen.append(table.updates.tolist())
+        assert table.base_seq == table.iteration - 1
+    frames = sched.shard_pages("a")[0][2]
+    assert [u for u in seen if u] == [[[0, 101, frames[101]]], [[0, 102, frames[102]]]]
+    again = sched.core.lower_all()[0]  # lowering the same iteration again: nothing new, built on itself
+    table = RoutingTables.parse(again)
+    assert len(table.updates) == 0 and table.base_seq == table.iteration
