@@ -75,6 +75,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--decode-instances", type=int, default=4)
+    ap.add_argument("--backend", default="inline", choices=["inline", "threads", "processes"])
     ap.add_argument("--out", default=str(RESULTS / "decode_tiny"))
     args = ap.parse_args(argv)
     from transformers import DeepseekV3ForCausalLM
@@ -83,7 +84,7 @@ def main(argv: list[str] | None = None) -> dict:
         save_tiny_checkpoint(ckpt, ModelConfig.tiny())
         hf = DeepseekV3ForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
     rows = []
-    with LLM("tiny", decode_instances=args.decode_instances, backend="threads") as llm:
+    with LLM("tiny", decode_instances=args.decode_instances, backend=args.backend) as llm:
         llm.generate(prompts_for(2, 8, 0), SamplingParams(max_tokens=2))  # warm up both sides
         hf_tokens_per_s(hf, prompts_for(2, 8, 0), 2)
         for batch in args.batches:
@@ -95,7 +96,7 @@ def main(argv: list[str] | None = None) -> dict:
             o, t = statistics.median(ours), statistics.median(theirs)
             rows.append({"batch": batch, "nanocp_tok_s": o, "hf_tok_s": t, "ratio": o / t, "runs": [ours, theirs]})
             print(f"batch {batch:3d}: nanocp {o:8.1f} tok/s  HF {t:8.1f} tok/s  ratio {o / t:5.2f}x")
-    with LLM("tiny", decode_instances=args.decode_instances, backend="threads", timing=True) as llm:
+    with LLM("tiny", decode_instances=args.decode_instances, backend=args.backend, timing=True) as llm:
         llm.generate(prompts_for(16, args.prompt_len, 7), SamplingParams(max_tokens=8, temperature=0.0))
         records = llm.engine.timing_records()
     timing_path = Path(args.out + "_timing.jsonl")
@@ -115,7 +116,8 @@ def main(argv: list[str] | None = None) -> dict:
     lines = [
         "# Decode throughput: nanocp.LLM vs HF transformers generate (tiny model, CPU)",
         "",
-        f"Command: `python -m nanocp.bench.bench_decode` ({args.decode_instances} decode instances, threads backend, "
+        f"Command: `python -m nanocp.bench.bench_decode` ({args.decode_instances} decode instances, "
+        f"{args.backend} backend, "
         f"{args.prompt_len}-token prompts, {args.new_tokens} new tokens, greedy, median of {args.repeats} interleaved "
         "runs). Measured on this machine, not a model output.",
         "",
