@@ -17,7 +17,8 @@ import multiprocessing as mp
 import time
 import traceback
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor
+from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass
 from multiprocessing import connection as mp_connection
 
@@ -173,21 +174,24 @@ class ThreadCluster(_LocalPools):
                 self.instances[r].run_iteration, RoutingTables.parse(sent[r]), rows[r], return_logits
             )
 
-        futures = [submit(r) for r in range(len(self.instances))]
-        outputs, errors = [], []
-        for r in range(len(self.instances)):
-            while True:
+        pending = {submit(r): r for r in range(len(self.instances))}
+        results: list[list[RowOutput]] = [[] for _ in self.instances]
+        errors = []
+        while pending:  # in completion order: a refused table is resent while its peers wait for it
+            done, _ = futures_wait(pending, return_when=FIRST_COMPLETED)
+            for future in done:
+                r = pending.pop(future)
                 try:
-                    outputs.extend(futures[r].result())
-                except StaleBlockTableError as e:  # refused before any exchange: its peers wait for the resend
+                    results[r] = future.result()
+                except StaleBlockTableError as e:  # refused before any exchange
                     if TableFeed.can_resend_full(sent[r], full_tables):
                         sent[r] = full_tables()[r]
-                        futures[r] = submit(r)
-                        continue
-                    errors.append(e)
+                        pending[submit(r)] = r
+                    else:
+                        errors.append(e)
                 except Exception as e:  # noqa: BLE001 - collected and re-raised with the root cause
                     errors.append(e)
-                break
+        outputs = [out for result in results for out in result]
         if errors:
             self.feed.forget()
             raise InstanceFailure(f"decode iteration failed: {_first_real_error(errors)!r}") from errors[0]

@@ -247,6 +247,8 @@ class Engine:
         for rid in plan.preempted:
             self.requests[rid].metrics.preemptions += 1
         batch = plan.batch
+        if batch:
+            plan.tables  # noqa: B018 - lowered now: a request that ends in its prefill is still in this batch
         if plan.admitted:
             self._prefill(plan.admitted)
         try:
