@@ -102,28 +102,41 @@ class StepSample:
 
 class StepRecorder:
     """Times `engine.step()` and captures the scheduler's plan state at the moment the plan is made (before the
-    step's finishes free pages), by wrapping the engine's scheduler's `step` on that object."""
+    step's finishes free pages), by wrapping `step` on the engine's scheduler object (re-wrapped if the engine
+    replaces its scheduler, as it does when it recovers from a failed iteration).
+
+    A step in which the engine recovered from a failed iteration raises: its time measures a failure, not decode.
+    """
 
     def __init__(self, engine: Any) -> None:
         self.engine = engine
         self._state: dict[str, Any] | None = None
-        sched = engine.scheduler
+        self._wrapped: Any = None
+
+    def _wrap(self) -> None:
+        sched = self.engine.scheduler
         inner = sched.step
 
-        def step_and_capture():
-            plan = inner()
+        def step_and_capture(*args, **kwargs):
+            plan = inner(*args, **kwargs)
             self._state = _plan_state(sched, plan)
             return plan
 
         sched.step = step_and_capture
+        self._wrapped = sched
 
     def step(self) -> StepSample:
+        if self.engine.scheduler is not self._wrapped:
+            self._wrap()
         self._state = None
+        recoveries = len(getattr(self.engine, "recoveries", ()))
         t0 = time.perf_counter()
         self.engine.step()
         wall = time.perf_counter() - t0
         if self._state is None:
             raise ProfilingError("engine.step() did not call its scheduler's step()")
+        if len(getattr(self.engine, "recoveries", ())) != recoveries:
+            raise ProfilingError(f"a decode iteration failed and the engine recovered: {self.engine.recoveries[-1]}")
         return StepSample(wall_s=wall, **self._state)
 
 

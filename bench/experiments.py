@@ -376,7 +376,7 @@ def run_capacity(
     cfg: CapacityConfig | None = None, policies: Sequence[str] | None = None, log: Callable[[str], None] = print
 ) -> dict[str, Any]:
     """Capacity per policy and workload (NanoCP first: its capacity seeds the others' searches), then every policy
-    at one reference rate per workload (the best baseline's capacity) for P99 TPOT."""
+    at one reference rate per workload (the best vLLM-style baseline's capacity) for P99 TPOT."""
     cfg = cfg or CapacityConfig()
     profile = cfg.cluster.load_profile()
     included, skipped = available_policies(cfg.cluster, policies)
@@ -393,7 +393,7 @@ def run_capacity(
             if policy == "nanocp" and entries[policy]["capacity_rps"] > 0:
                 guess = entries[policy]["capacity_rps"]
             log(f"capacity {workload} {policy}: {entries[policy]['capacity_rps']:.3g} req/s")
-        baselines = {p: e["capacity_rps"] for p, e in entries.items() if p != "nanocp"}
+        baselines = {p: e["capacity_rps"] for p, e in entries.items() if p in CORE_POLICIES[1:]}
         reference = max(baselines.values(), default=0.0) or entries.get("nanocp", {}).get("capacity_rps", 0.0)
         if reference > 0:
             reqs = pool.at(reference, cfg.window_s[workload])
@@ -427,7 +427,7 @@ def write_capacity(result: dict[str, Any], results_dir: Path = RESULTS_DIR, name
         f" {cfg['rel_tol']:.0%}). Each run replays the requests arriving within the workload's window"
         " (decode-side arrivals) and ends once no request can still meet the SLO, or, in the search, once more"
         " requests missed it than the target allows. P99 TPOT is taken at one reference rate per workload: the"
-        " best baseline's capacity.",
+        " capacity of the best vLLM-style baseline (32DP or uniform CP).",
         "",
     ]
     for w in result["workloads"].values():
@@ -539,6 +539,10 @@ def run_balance(cfg: BalanceConfig | None = None, log: Callable[[str], None] = p
     return result
 
 
+def _peak_cp(row: dict[str, Any]) -> str:
+    return f"{row['peak_cp_requests']} / {row['running_at_peak_cp']}" if row["peak_cp_requests"] else "0"
+
+
 def _series(res: SimResult) -> dict[str, np.ndarray]:
     log = res.log
     return {k: log.array(k) for k in ("t", "kv_imbalance", "batch_imbalance", "hol_blocked", "waiting", "running")}
@@ -572,7 +576,7 @@ def write_balance(result: dict[str, Any], results_dir: Path = RESULTS_DIR, name:
         lines.append(
             f"| {r['load']} | {r['label']} | {r['kv_imbalance']['mean']:.1%} | {r['kv_imbalance']['p90']:.1%}"
             f" | {r['batch_imbalance']['mean']:.1%} | {r['hol_blocked_iterations']} ({r['hol_blocked_fraction']:.1%})"
-            f" | {r['cp_request_fraction']:.2%} | {r['peak_cp_requests']} / {r['running_at_peak_cp']}"
+            f" | {r['cp_request_fraction']:.2%} | {_peak_cp(r)}"
             f" | {r['preemptions']} | {_ms(r, 'p99')} |"
         )
     breakdowns = balance_breakdowns(result)
@@ -698,11 +702,12 @@ def write_summary(results_dir: Path = RESULTS_DIR) -> Path:
     balance, fidelity = _load(results_dir, "sim_balance"), _load(results_dir, "fidelity_cpu_tiny")
     if not (micro or capacity or balance):
         raise ExperimentError(f"no sim_micro/sim_capacity/sim_balance results in {results_dir}")
-    note = next(r["note"] for r in (micro, capacity, balance) if r)
+    profile = next(r["config"]["cluster"]["profile"] for r in (micro, capacity, balance) if r)
     lines = [
         "# Simulator results vs the NanoCP paper",
         "",
-        f"Everything below except the fidelity section is a {note}. Paper numbers are from"
+        f"All numbers below except the fidelity section are simulator model outputs for the `{profile}` latency"
+        " profile (derived from published kernel figures, not measured by us). Paper numbers are from"
         " papers/nanocp-dynamic-context-parallelism.md (H200 cluster, measured).",
         "",
     ]
@@ -730,7 +735,8 @@ def _summary_micro(micro: dict[str, Any]) -> list[str]:
     lines = [
         "## 1. Micro-benchmark (paper 6.2, Figure 13)",
         "",
-        "Per-layer time of the slowest instance (one MoE layer, us), 64 short requests per instance + L long per node:",
+        f"Per-layer time of the slowest instance (one MoE layer, us), {micro['config']['shorts_per_instance']} short"
+        " requests per instance + L long per node (`wait`: requests the policy could not place):",
         "",
         "| policy | " + " | ".join(f"L={n}" for n in settings) + " |",
         "|---|" + "---|" * len(settings),
@@ -743,15 +749,13 @@ def _summary_micro(micro: dict[str, Any]) -> list[str]:
                 "-" if r is None else f"{r['layer_us']:.0f}" + (f" ({r['waiting']} wait)" if r["waiting"] else "")
             )
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
-    best = {
-        n: min((r for r in rows if r["longs_per_node"] == n and not r["waiting"]), key=lambda r: r["layer_us"])
-        for n in settings
-    }
+    placed = [r for r in rows if not r["waiting"]]  # a row with waiting requests lacks part of the work
+    best = {n: min((r for r in placed if r["longs_per_node"] == n), key=lambda r: r["layer_us"]) for n in settings}
     nano_best = [n for n in settings if best[n]["label"] == "NanoCP"]
     gains = []
     for n in settings:
         nano = by.get((n, "NanoCP"))
-        dp = [r["layer_us"] for r in rows if r["longs_per_node"] == n and r["policy"] in CORE_POLICIES[1:]]
+        dp = [r["layer_us"] for r in placed if r["longs_per_node"] == n and r["policy"] in CORE_POLICIES[1:]]
         if nano and dp:
             gains.append((n, 1 - nano["layer_us"] / min(dp)))
     cp8 = [r["slowest_layer_us"]["cp_comm"] for r in rows if r["policy"] == "uniform-cp:8"]
@@ -817,7 +821,28 @@ def _summary_capacity(capacity: dict[str, Any]) -> list[str]:
         " scheduler); on 100% long about equal to 4DP8CP; lower P99 TPOT than every baseline.",
         "",
     ]
-    return lines
+    seeds = [p for p in capacity["policies"] if p in SEED_POLICIES]
+    for policy in seeds:
+        ratios = []
+        for w in workloads.values():
+            pol = w["policies"]
+            if policy in pol and pol.get("nanocp", {}).get("capacity_rps"):
+                ratios.append(f"{w['label']} x{pol[policy]['capacity_rps'] / pol['nanocp']['capacity_rps']:.2f}")
+        cluster = capacity["config"]["cluster"]
+        label = policy_label(policy, cluster["num_nodes"] * cluster["instances_per_node"])
+        lines.append(f"- {label} (a seed system's policy, not in the paper) vs NanoCP: " + ", ".join(ratios) + ".")
+        imb = [
+            f"{w['label']} {_kv_at_ref(w, 'nanocp'):.0%} vs {_kv_at_ref(w, policy):.0%}"
+            for w in workloads.values()
+            if policy in w["policies"] and "nanocp" in w["policies"]
+        ]
+        lines.append(f"  Mean KV imbalance at the reference rate, NanoCP vs {label}: " + ", ".join(imb) + ".")
+    return lines + ([""] if seeds else [])
+
+
+def _kv_at_ref(workload: dict[str, Any], policy: str) -> float:
+    ref = workload["policies"][policy].get("at_reference") or {}
+    return ref.get("kv_imbalance", {}).get("mean", math.nan)
 
 
 def _summary_balance(balance: dict[str, Any]) -> list[str]:
@@ -844,8 +869,9 @@ def _summary_balance(balance: dict[str, Any]) -> list[str]:
         lines.append(row("KV imbalance (mean)", f"{paper:.1%} (low load)", label, _kv_imbalance, ".1%"))
     for label, paper in PAPER["batch_imbalance_low"].items():
         lines.append(row("batch imbalance (mean)", f"{paper:.1%} (low load)", label, _batch_imbalance, ".1%"))
+    paper_hol = {"NanoCP": "rare (only when memory is exhausted)", "32DP LeastBatch": "frequent at high load"}
     for label in dict.fromkeys(lbl for _, lbl in runs):
-        paper = "rare (when memory is exhausted)" if label == "NanoCP" else "frequent at high load"
+        paper = paper_hol.get(label, "-")
         lines.append(row("HoL-blocked iterations", paper, label, lambda r: r["hol_blocked_fraction"], ".1%"))
     n, total = PAPER["cp_share_at_peak"]
     lines.append(row("requests using CP at the peak", f"{n}/{total} = {n / total:.1%}", "NanoCP", _cp_peak, ".1%"))
@@ -891,14 +917,11 @@ def _attn_max_median(r: dict[str, Any]) -> float:
 
 def _summary_differences(capacity: dict[str, Any] | None, balance: dict[str, Any] | None) -> list[str]:
     pre = []
-    for result in (capacity, balance):
-        if not result:
-            continue
-        rows = [
-            e.get("at_reference") or {} for w in result.get("workloads", {}).values() for e in w["policies"].values()
-        ]
-        rows += result.get("runs", [])
-        pre.append(sum(r.get("preemptions", 0) for r in rows))
+    if capacity:
+        rows = [e.get("at_reference") or {} for w in capacity["workloads"].values() for e in w["policies"].values()]
+        pre.append(f"capacity reference runs {sum(r.get('preemptions', 0) for r in rows)}")
+    if balance:
+        pre.append(f"balance runs {sum(r['preemptions'] for r in balance['runs'])}")
     windows = capacity["config"]["window_s"] if capacity else {}
     return [
         "## Where and why ours differ",
@@ -922,7 +945,7 @@ def _summary_differences(capacity: dict[str, Any] | None, balance: dict[str, Any
         " rule, for every policy); vLLM's DP ranks would preempt instead. This relieves the DP baselines under"
         " memory pressure (their non-zero CP share at high load).",
         "- A preempted request re-enters the queue at the tail in the simulator (the engine keeps it at the front);"
-        f" preemptions in the reported runs: {', '.join(str(x) for x in pre) or 'n/a'}.",
+        f" preemptions: {', '.join(pre) or 'n/a'}.",
         "",
     ]
 
