@@ -186,7 +186,12 @@ def cmd_breakdown(args: argparse.Namespace) -> int:
             group = b.label.rpartition(": ")[0]
             groups.setdefault(group or Path(path).stem, []).append(b)
     every = [b for items in groups.values() for b in items]
-    print(format_table(every))
+    table = format_table(every)
+    print(table)
+    if args.md:
+        sources = ", ".join(f"`{x}`" for x in args.inputs)
+        args.md.write_text(f"# {args.title or 'Per-layer latency breakdown'}\n\nSources: {sources}.\n\n{table}")
+        print(f"wrote {args.md}")
     if not args.no_png:
         png = args.png or _default_png(args.inputs[0])
         print(f"wrote {plot_breakdowns(groups, png, args.title or 'Per-layer latency breakdown')}")
@@ -231,7 +236,7 @@ def cmd_profile_fidelity(args: argparse.Namespace) -> int:
         profile=args.profile, num_requests=args.requests, repeats=args.repeats, backend=args.backend, seed=args.seed
     )
     result = fidelity.run_fidelity(cfg, timing_log=args.timing_log)
-    _print_paths(fidelity.write_fidelity(result, _results_dir(args)))
+    _print_paths(fidelity.write_fidelity(result, _results_dir(args), note=args.note))
     s = result["summary"]
     print(f"median absolute percentage error {s['median_ape']:.1%} over {s['iterations']} iterations")
     return 0
@@ -313,6 +318,7 @@ def _register_breakdown(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--png", type=Path, default=None, help="default bench/results/breakdown_<first input>.png")
     p.add_argument("--no-png", action="store_true")
     p.add_argument("--json", type=Path, default=None, help="also write the breakdowns as JSON")
+    p.add_argument("--md", type=Path, default=None, help="also write the tables as markdown")
     p.add_argument("--title", default=None)
     p.set_defaults(func=cmd_breakdown)
 
@@ -337,9 +343,10 @@ def _register_profile(subparsers: argparse._SubParsersAction) -> None:
     fid = sub.add_parser("fidelity", help="simulator vs real CPU iteration times (writes fidelity_cpu_tiny.*)")
     fid.add_argument("--profile", default="cpu-tiny")
     fid.add_argument("--requests", type=int, default=24)
-    fid.add_argument("--repeats", type=int, default=3, help="runs of the same workload (same seed)")
+    fid.add_argument("--repeats", type=int, default=5, help="runs of the same workload (same seed)")
     fid.add_argument("--backend", default=None, choices=["inline", "threads"], help="default: the profile's")
     fid.add_argument("--seed", type=int, default=0)
     fid.add_argument("--results-dir", type=Path, default=None)
     fid.add_argument("--timing-log", type=Path, default=None, help="write the first run's PhaseRecords (JSON lines)")
+    fid.add_argument("--note", default="", help="a paragraph appended to the markdown report")
     fid.set_defaults(func=cmd_profile_fidelity)

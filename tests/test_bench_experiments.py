@@ -461,6 +461,7 @@ def test_profile_and_fidelity_on_the_real_cpu_cluster_at_toy_size(tmp_path):
     result = fidelity.run_fidelity(cfg, log=lambda *_: None)
     s = result["summary"]
     assert s["iterations"] == len(result["iterations"]) > 0 and s["repeat_states_identical"]
+    assert s["repeat_spread_median"] >= 1.0 and s["median_ape_vs_fastest_repeat"] >= 0
     assert s["cp_iterations"] > 0 and all(r["ape"] >= 0 for r in result["iterations"])
     paths = fidelity.write_fidelity(result, tmp_path)
     assert "median absolute percentage error" in paths[1].read_text()
