@@ -13,11 +13,11 @@ cluster each actor reserves its GPU (placement, isolation) while computing with 
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import time
-import traceback
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import timedelta
 
 import numpy as np
@@ -26,14 +26,14 @@ import torch
 from nanocp.comm.fabric import FabricTimeout
 from nanocp.comm.shm_fabric import ShmFabric, ShmFabricInfo
 from nanocp.control_plane.lowering import RoutingTables
-from nanocp.models import load_config
 
-from .cluster import ClusterConfig, InstanceFailure, build_instance
+from .block_store import StaleBlockTableError
+from .cluster import ClusterConfig, FullTables, InstanceFailure, TableFeed, allocate_pools, build_instance
 from .instance import RowInput, RowOutput
-from .kv_pool import PagedKVPool
 from .timing import PhaseRecord
 
 FABRICS = ("auto", "shm", "dist")
+log = logging.getLogger("nanocp.ray")
 NUM_FLAGS = 64
 
 
@@ -112,17 +112,17 @@ class InstanceActor:
             )
             self.distributed = True
             self.fabric = TorchDistFabric(num_flags=NUM_FLAGS)
-        c = load_config(cfg.model)
-        pool = PagedKVPool.allocate(
-            c.num_hidden_layers, cfg.frames_per_instance, cfg.page_size, c.kv_cache_dim, cfg.dtype, shared=False
-        )
+        pool = allocate_pools(replace(cfg, num_instances=1), shared=False)[0]  # this instance's pool only
         self.instance = build_instance(cfg, self.rank, self.fabric, pool)
         return "ok"
 
     def run_iteration(self, table: np.ndarray, rows: dict[int, RowInput], return_logits: bool) -> tuple:
-        """("ok", outputs, timing records) or ("error", text, is_fabric_timeout); the actor keeps serving."""
+        """("ok", outputs, timing records), ("stale", text) when the instance refused an incremental table its
+        block-table store cannot apply (before any exchange), or ("error", text, is_fabric_timeout)."""
         try:
             out = self.instance.run_iteration(RoutingTables.parse(table), rows, return_logits)
+        except StaleBlockTableError as e:
+            return ("stale", str(e))
         except Exception as e:  # noqa: BLE001 - reported to the driver
             return ("error", f"{type(e).__name__}: {e}", isinstance(e, FabricTimeout))
         records, self.instance.timing.records = self.instance.timing.records, []
@@ -155,18 +155,29 @@ class RayCluster:
     """N Ray actors; needs `ray.init(...)` to have been called (the deploy command does it)."""
 
     START_ATTEMPTS = 3  # only the shared-memory attach race (see InstanceActor.start) is retried
+    incremental_tables = True  # run_iteration takes full_tables (data_plane/cluster.py, TableFeed)
 
-    def __init__(self, cfg: ClusterConfig, placement: RayPlacement | None = None) -> None:
+    def __init__(
+        self, cfg: ClusterConfig, placement: RayPlacement | None = None, allow_one_group: bool = False
+    ) -> None:
+        """allow_one_group: when the instances do not fill whole placement groups (the survivors of a failure,
+        as the Engine rebuilds its cluster), put them all in one group instead of refusing."""
         import ray
 
         if not ray.is_initialized():
             raise RuntimeError("RayCluster needs a connected Ray runtime: call ray.init(...) first")
         placement = placement or RayPlacement(cfg.num_instances)
         if cfg.num_instances % placement.instances_per_node:
-            raise ValueError(f"{cfg.num_instances} instances do not fill whole nodes of {placement.instances_per_node}")
+            if not allow_one_group:
+                raise ValueError(
+                    f"{cfg.num_instances} instances do not fill whole nodes of {placement.instances_per_node}"
+                )
+            placement = replace(placement, instances_per_node=cfg.num_instances)  # survivors form one node
         self.cfg, self.placement = cfg, placement
         self._h = _Handles()
         self._records: list[PhaseRecord] = []
+        self.feed = TableFeed(cfg.num_instances)
+        self._broken = False  # the last iteration failed
         self._closed = False
         self.locations: list[ActorLocation] = []
         self.fabric = ""
@@ -209,7 +220,14 @@ class RayCluster:
         for rank in range(n):
             group = self._h.groups[rank // p.instances_per_node]
             strategy = PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=rank % p.instances_per_node)
-            options = dict(num_cpus=p.cpus_per_instance, num_gpus=p.gpus_per_instance, scheduling_strategy=strategy)
+            # Two threads: a liveness probe (location) answers while an iteration waits on the fabric; the driver
+            # itself never runs two iterations of one actor at once.
+            options = dict(
+                num_cpus=p.cpus_per_instance,
+                num_gpus=p.gpus_per_instance,
+                scheduling_strategy=strategy,
+                max_concurrency=2,
+            )
             self._h.actors.append(actor_cls.options(**options).remote(self.cfg, rank))
 
     @property
@@ -257,27 +275,53 @@ class RayCluster:
         return self.cfg.num_instances
 
     def run_iteration(
-        self, tables: list[np.ndarray], rows: list[dict[int, RowInput]], return_logits: bool = False
+        self,
+        tables: list[np.ndarray],
+        rows: list[dict[int, RowInput]],
+        return_logits: bool = False,
+        full_tables: FullTables | None = None,
     ) -> list[RowOutput]:
+        """One iteration on every actor. Incremental tables go to instances whose block-table store is known to
+        hold their base (TableFeed); a refused one is resent as its full snapshot while the peers wait for it."""
         import ray
 
-        refs = [a.run_iteration.remote(tables[r], rows[r], return_logits) for r, a in enumerate(self._h.actors)]
-        outputs, errors = [], []
-        for r, ref in enumerate(refs):
+        actors = self._h.actors
+        sent = [self.feed.pick(r, tables, full_tables) for r in range(len(actors))]
+        pending = {actors[r].run_iteration.remote(sent[r], rows[r], return_logits): r for r in range(len(actors))}
+        results: list[list[RowOutput]] = [[] for _ in actors]
+        errors: list[tuple[bool, str]] = []  # (is a fabric timeout, message)
+        deadline = time.monotonic() + self.cfg.timeout_s * 2 + 5
+        while pending:  # in completion order
+            done, _ = ray.wait(list(pending), num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+            if not done:
+                errors += [(False, f"instance {r}: no answer within the iteration deadline") for r in pending.values()]
+                break
+            r = pending.pop(done[0])
             try:
-                msg = ray.get(ref, timeout=self.cfg.timeout_s * 2 + 5)
-            except (ray.exceptions.RayError, TimeoutError) as e:
+                msg = ray.get(done[0])
+            except ray.exceptions.RayActorError as e:  # dead: its peers only wait for it to time out
+                errors.append((False, f"instance {r}: {type(e).__name__}: {e}"))
+                break
+            except ray.exceptions.RayError as e:
                 errors.append((False, f"instance {r}: {type(e).__name__}: {e}"))
                 continue
             if msg[0] == "ok":
-                outputs.extend(msg[1])
+                results[r] = msg[1]
                 self._records.extend(msg[2])
+            elif msg[0] == "stale" and TableFeed.can_resend_full(sent[r], full_tables):
+                sent[r] = full_tables()[r]
+                pending[actors[r].run_iteration.remote(sent[r], rows[r], return_logits)] = r
             else:
-                errors.append((msg[2], f"instance {r}: {msg[1]}"))
+                errors.append((msg[0] == "error" and msg[2], f"instance {r}: {msg[1]}"))
         if errors:
+            self.feed.forget()
+            self._broken = True
             real = [text for is_timeout, text in errors if not is_timeout] or [errors[0][1]]
             raise InstanceFailure(f"decode iteration failed: {real[0]}")
-        return outputs
+        self._broken = False
+        for r, table in enumerate(sent):
+            self.feed.held_now(r, table)
+        return [out for result in results for out in result]
 
     def write_kv(self, instance: int, frames: list[int], kv: torch.Tensor) -> None:
         """kv [L, n, Dkv] -> slots 0..n-1 of a shard whose pages are `frames` on `instance` (an actor call)."""
@@ -292,6 +336,27 @@ class RayCluster:
         records, self._records = self._records, []
         return records
 
+    def dead_instances(self, timeout_s: float = 5.0) -> list[int]:
+        """Instances whose actor has died (a busy actor that does not answer in time is not counted)."""
+        import ray
+
+        refs = [a.location.remote() for a in self._h.actors]
+        dead = []
+        for rank, ref in enumerate(refs):
+            try:
+                ray.get(ref, timeout=timeout_s)
+            except ray.exceptions.RayActorError:
+                dead.append(rank)
+            except ray.exceptions.GetTimeoutError:
+                pass
+        return dead
+
+    def kill_instance(self, instance: int) -> None:
+        """Fault injection (tests, reliability runs): kill one instance's actor."""
+        import ray
+
+        ray.kill(self._h.actors[instance], no_restart=True)
+
     def close(self, timeout_s: float = 30.0) -> None:
         """Close the fabrics (collectively), kill the actors, remove the placement groups. Idempotent."""
         if self._closed:
@@ -299,11 +364,12 @@ class RayCluster:
         self._closed = True
         import ray
 
-        if self._h.actors:
+        # After a failed iteration the survivors may sit in fabric waits for a dead peer: no collective close then.
+        if self._h.actors and not self._broken:
             try:
                 ray.get([a.close.remote() for a in self._h.actors], timeout=timeout_s)
-            except Exception:  # noqa: BLE001 - a dead actor cannot close; it is killed below anyway
-                traceback.print_exc()
+            except ray.exceptions.RayError as e:  # a dead actor cannot close; every actor is killed below anyway
+                log.warning("closing the Ray decode instances: %s", e)
         self._teardown()
 
     def _teardown(self) -> None:

@@ -1,5 +1,5 @@
-"""RayCluster against a local Ray cluster: outputs equal the in-process cluster's over both fabrics, and close() /
-ray.shutdown() leave no actor, placement group or process behind."""
+"""RayCluster against a local Ray cluster: outputs equal the in-process cluster's over both fabrics, the engine
+survives a killed actor, and close() / ray.shutdown() leave no actor, placement group or process behind."""
 
 from __future__ import annotations
 
@@ -78,6 +78,24 @@ def test_ray_cluster_matches_the_in_process_cluster_and_cleans_up():
             assert not wait_gone(pids), "actor processes outlived close()"
             groups = ray.util.placement_group_table().values()
             assert all(g["state"] == "REMOVED" for g in groups)
+        # An actor dies mid-run: the engine rebuilds a one-instance Ray cluster and finishes every request.
+        engine = build_engine(replace(config, backend="ray"), RayPlacement(2))
+        try:
+            params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+            for i, p in enumerate(prompts):
+                engine.add_request(f"r{i}", p, params)
+            engine.step()
+            victim = engine.cluster.locations[1].pid
+            engine.cluster.kill_instance(1)
+            done = {}
+            while engine.has_unfinished():
+                done.update((o.request_id, o) for o in engine.step())
+            assert [done[f"r{i}"].token_ids for i in range(len(prompts))] == [e.token_ids for e in expected]
+            assert [(r.dead_instances, r.survivors) for r in engine.recoveries] == [((1,), 1)]
+            assert isinstance(engine.cluster, RayCluster) and engine.cluster.num_instances == 1
+            assert not wait_gone({victim})
+        finally:
+            engine.close()
         with pytest.raises(ValueError, match="do not fill whole nodes"):
             RayCluster(engine.cluster.cfg, RayPlacement(3))
     finally:

@@ -21,6 +21,7 @@ from nanocp.control_plane.api.errors import APIError
 from nanocp.control_plane.api.metrics import ServingMetrics
 from nanocp.control_plane.api.protocol import ChatCompletionRequest, CompletionRequest, parse_request
 from nanocp.control_plane.api.streaming import TextStreamer
+from nanocp.data_plane.cluster import InstanceFailure
 from nanocp.data_plane.sampling import SamplingParams
 from nanocp.engine import Engine, EngineConfig
 from nanocp.models import greedy_generate, load_model
@@ -245,7 +246,7 @@ def test_metrics_record_exactly_what_they_are_given():
     gaps = [[rnd.uniform(0.001, 0.2) for _ in range(rnd.randint(0, 6))] for _ in ttfts]
     for ttft, g in zip(ttfts, gaps):
         m.observe_tokens(ttft, g)
-    m.observe_finish("stop", 1.5, 10)
+    m.observe_finish("stop", 1.5, 10, 0.04)
     m.observe_finish("length", 2.5, 7)
     m.observe_preemptions(3)
     m.set_load(4, 2, 0.25)
@@ -258,6 +259,8 @@ def test_metrics_record_exactly_what_they_are_given():
     assert s[("nanocp:e2e_request_latency_seconds_sum", lab)] == pytest.approx(4.0)
     assert s[("nanocp:request_success_total", (("finished_reason", "stop"), *lab))] == 1
     assert s[("nanocp:num_preemptions_total", lab)] == 3
+    assert s[("nanocp:request_time_per_output_token_seconds_count", lab)] == 1
+    assert s[("nanocp:request_time_per_output_token_seconds_sum", lab)] == pytest.approx(0.04)
     assert s[("nanocp:num_requests_running", lab)] == 4
     assert s[("nanocp:num_requests_waiting", lab)] == 2
     assert s[("nanocp:kv_cache_usage_perc", lab)] == 0.25
@@ -338,3 +341,37 @@ def test_engine_loop_reports_a_failed_start():
     assert not loop.wait_ready(30)
     assert gate.is_set() and loop.state is LoopState.FAILED and "no GPUs here" in loop.error
     loop.stop()
+
+
+class DyingEngine(Engine):
+    """Every decode cluster it builds (the first and those rebuilt by its failure recovery) fails every iteration."""
+
+    def _build_cluster(self, spec) -> None:
+        super()._build_cluster(spec)
+
+        def die(*_args, **_kw):
+            raise InstanceFailure("decode iteration failed: instance 1 died (exit code -9)")
+
+        self.cluster.run_iteration = die
+
+
+def test_engine_loop_fails_every_request_when_the_engine_gives_up():
+    config = EngineConfig(model="tiny", decode_instances=2, scheduler_backend=SCHEDULER)
+    loop = EngineLoop(lambda: DyingEngine(config))
+    loop.start()
+    assert loop.wait_ready(60)
+
+    async def run():
+        params = SamplingParams(max_tokens=50, temperature=0.0)
+        events = await asyncio.gather(*(collect(loop.submit(f"r{i}", [1, 2, 3 + i], params, 0.0)) for i in range(2)))
+        late = await collect(loop.submit("late", [4, 5], params, 0.0))
+        return events, late
+
+    try:
+        events, late = asyncio.run(run())
+    finally:
+        loop.stop()
+    assert loop.state is LoopState.FAILED and loop.error
+    for ev in events:
+        assert ev[-1].output.finish_reason == "error" and ev[-1].output.error == loop.error
+    assert isinstance(late[0], Rejected) and late[0].status == 503
