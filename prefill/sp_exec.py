@@ -11,6 +11,10 @@ move raises (never hangs). For every chunk the executor computes, from its bookk
   group, never produced by the CDSP planner, hand over everything);
 - each member's block sizes for the ring / all-gather layout.
 
+Failures: an instance that dies (`kill_instance`, fault injection standing for a lost process) raises
+`PrefillInstanceFailure` at its next resumption, so the chunk in progress fails at once instead of its peers waiting
+on the fabric; the dead instance stays out of every later chunk.
+
 Timing (optional): a `CriticalPathClock` measures every resumption of every member (thread CPU time) and carries the
 sender's clock across each signal, which gives the chunk's latency as if every member ran on its own core (the
 profile of `nanocp profile prefill`); fabric copies are counted in the sender's compute.
@@ -116,6 +120,14 @@ def balance_plan(holdings: dict[int, int], group: Sequence[int]) -> BalancePlan:
     return BalancePlan(targets, tuple(moves))
 
 
+class PrefillInstanceFailure(PrefillExecError):
+    """A prefill instance died while a chunk needed it: the rows it held for requests in prefill are lost."""
+
+    def __init__(self, instance: int, detail: str = "") -> None:
+        super().__init__(f"prefill instance {instance} is dead{': ' + detail if detail else ''}")
+        self.instance = instance
+
+
 class CriticalPathClock:
     """Per-instance logical clocks: compute segments are measured; a wait ends no earlier than the signals it
     waited for (carrying the sender's clock at signal time).
@@ -146,8 +158,14 @@ class CriticalPathClock:
         self._stamps[(dst, flag)] = self.clock[src] + self.timer() - self._segment_start[src]
 
 
-def drive(steps: dict[int, object], instances: Sequence[PrefillInstance], clock: CriticalPathClock | None) -> dict:
-    """Run generators (rank -> generator) cooperatively to completion; returns rank -> returned value."""
+def drive(
+    steps: dict[int, object],
+    instances: Sequence[PrefillInstance],
+    clock: CriticalPathClock | None,
+    check_alive: Callable[[int], None] | None = None,
+) -> dict:
+    """Run generators (rank -> generator) cooperatively to completion; returns rank -> returned value.
+    `check_alive(rank)` runs before every resumption and raises if that instance is gone."""
     waits: dict[int, Wait | None] = {r: None for r in steps}
     results = {}
     while waits:
@@ -156,6 +174,8 @@ def drive(steps: dict[int, object], instances: Sequence[PrefillInstance], clock:
             wait, fabric = waits[r], instances[r].fabric
             if wait is not None and any(fabric.read_flag(f) < v for f, v in wait.flags):
                 continue
+            if check_alive is not None:
+                check_alive(r)
             if clock is not None:
                 clock.begin(r, wait)
             try:
@@ -207,11 +227,40 @@ class SpPrefillExecutor:
             inst.signal_hook = self.clock.on_signal if self.clock else None
         self.requests: dict[str, _RequestState] = {}
         self._seq = 0
+        self.dead: set[int] = set()
+        self._doomed: dict[int, int] = {}  # rank -> resumptions it still runs before it dies (fault injection)
 
     def close(self) -> None:
         for inst in self.instances:
             inst.fabric.close()
         self.requests.clear()
+
+    # ------------------------------------------------------------------ failures
+
+    def kill_instance(self, rank: int, after_resumes: int = 0) -> None:
+        """Fault injection: instance `rank` dies after `after_resumes` more resumptions (0: at its next one),
+        which may be in the middle of a chunk. Its rows are lost and it takes no part in any later chunk."""
+        if not 0 <= rank < self.num_instances:
+            raise ValueError(f"instance {rank} outside [0, {self.num_instances})")
+        if after_resumes < 0:
+            raise ValueError(f"after_resumes must be >= 0, got {after_resumes}")
+        self._doomed[rank] = after_resumes
+
+    def alive(self) -> list[int]:
+        """Instances that have not died, ascending."""
+        return [r for r in range(self.num_instances) if r not in self.dead]
+
+    def _check_alive(self, rank: int) -> None:
+        left = self._doomed.get(rank)
+        if left is not None:
+            if left == 0:
+                del self._doomed[rank]
+                self.dead.add(rank)
+                self.instances[rank].store.clear()  # what a lost process held is gone
+            else:
+                self._doomed[rank] = left - 1
+        if rank in self.dead:
+            raise PrefillInstanceFailure(rank)
 
     # ------------------------------------------------------------------ requests
 
@@ -279,8 +328,11 @@ class SpPrefillExecutor:
         }
         if self.clock is not None:
             self.clock.reset()
+        dead = sorted(self.dead.intersection(works))
+        if dead:
+            raise PrefillInstanceFailure(dead[0], f"request {rid!r} needs it for chunk {state.chunks}")
         outputs: dict[int, ChunkOutput] = drive(
-            {r: self.instances[r].chunk(w) for r, w in works.items()}, self.instances, self.clock
+            {r: self.instances[r].chunk(w) for r, w in works.items()}, self.instances, self.clock, self._check_alive
         )
         state.context += spec.tokens
         state.holdings = {i: plan.targets[i] + query_counts[k] for k, i in enumerate(group)}

@@ -10,24 +10,30 @@ returns every request's last-token logits. The Engine calls it in place of its s
 A call is synchronous: when it returns, every request's KV is in its pages. Within the call, the queue policy
 (FCFS or LARS) orders the chunks in estimated (Eq. 1) time, starting from an idle pool, and the chunks run in that
 order; the hand-off copies chunk k's KV on worker threads while chunk k+1 computes.
+
+Failures: when a prefill instance dies (`PrefillInstanceFailure` from the executor), the call finishes the copies in
+flight, keeps every request whose KV has fully landed, and re-plans all the others from their first token on the
+surviving instances (the planner now plans that smaller pool); the dead instance is left out of every later call.
+With no instance left the call raises `TierError`.
 """
 
 from __future__ import annotations
 
 import time
+from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
 
 from nanocp.models import DeepseekV3Weights
 
-from .handoff import KVDestination, TransferEngine, TransferRecord, as_sink
+from .handoff import HandoffError, KVDestination, TransferEngine, TransferRecord, as_sink
 from .latency_model import PrefillLatencyModel, load_profile, profile_path
 from .planner import CdspPlanner, PlannerConfig
 from .queue_policy import QUEUE_POLICIES, ChunkDispatch, PrefillJob, PrefillScheduler, run_to_completion
-from .sp_exec import ChunkResult, ChunkSpec, SpPrefillExecutor, zigzag_segments
+from .sp_exec import ChunkResult, ChunkSpec, PrefillInstanceFailure, SpPrefillExecutor, zigzag_segments
 
 
 class TierError(ValueError):
@@ -69,13 +75,24 @@ class PrefillRequest:
     waited_s: float = 0.0  # how long it already waited before this call (LARS slack)
 
 
+@dataclass(frozen=True)
+class PrefillFailure:
+    """A prefill instance the tier lost, and the requests it re-planned on the survivors because of it."""
+
+    instance: int
+    replanned: tuple[str, ...]
+    survivors: tuple[int, ...]
+    error: str
+
+
 @dataclass
 class TierStats:
-    """What the last `prefill` call did."""
+    """What the last `prefill` call did (instance ids in `schedule` are the executor's)."""
 
     schedule: list[ChunkDispatch] = field(default_factory=list)
     chunk_seconds: list[float] = field(default_factory=list)  # wall time of each chunk, in schedule order
     transfers: list[TransferRecord] = field(default_factory=list)
+    failures: list[PrefillFailure] = field(default_factory=list)
 
 
 def load_models(profile: str) -> list[PrefillLatencyModel]:
@@ -98,18 +115,28 @@ class CdspPrefillTier:
         self.config = config
         self.model = model
         self.models = list(models) if models is not None else load_models(config.profile)
-        planner_config = PlannerConfig(
-            num_nodes=config.num_nodes,
-            instances_per_node=config.instances_per_node,
-            max_sp=config.max_sp or config.num_instances,
-            improvement_rate=config.improvement_rate,
-            chunking=config.chunking,
-            min_chunk_tokens=config.min_chunk_tokens,
-        )
-        self.planner = CdspPlanner(self.models, planner_config)
+        self.members = list(range(config.num_instances))  # planner instance index -> executor instance
+        self.planner = CdspPlanner(self.models, self._planner_config(self.members))
         self.max_request_tokens = config.max_request_tokens or model.config.max_position_embeddings
         self.executor = SpPrefillExecutor(model, config.num_instances, self.max_request_tokens)
         self.stats = TierStats()
+        self.failures: list[PrefillFailure] = []  # every instance lost so far
+
+    def _planner_config(self, members: list[int]) -> PlannerConfig:
+        """The pool the planner sees: the live instances, nodes kept when every node lost the same number
+        (else the survivors are planned as one node)."""
+        c = self.config
+        per_node = Counter(i // c.instances_per_node for i in members)
+        sizes = set(per_node.values())
+        num_nodes, instances_per_node = (len(per_node), sizes.pop()) if len(sizes) == 1 else (1, len(members))
+        return PlannerConfig(
+            num_nodes=num_nodes,
+            instances_per_node=instances_per_node,
+            max_sp=min(c.max_sp or c.num_instances, len(members)),
+            improvement_rate=c.improvement_rate,
+            chunking=c.chunking,
+            min_chunk_tokens=c.min_chunk_tokens,
+        )
 
     def close(self) -> None:
         self.executor.close()
@@ -131,36 +158,72 @@ class CdspPrefillTier:
         if not requests:
             return {}
         sink = as_sink(sink)
+        stats = TierStats()
+        logits: dict[str, torch.Tensor] = {}
+        todo = requests
+        while todo:
+            landed, failure = self._attempt(todo, sink, stats)
+            logits.update(landed)
+            todo = [r for r in todo if r.rid not in landed]
+            if failure is not None:
+                self._lose(failure, [r.rid for r in todo], stats)
+        self.stats = stats
+        return logits
+
+    def _attempt(
+        self, requests: list[PrefillRequest], sink, stats: TierStats
+    ) -> tuple[dict[str, torch.Tensor], PrefillInstanceFailure | None]:
+        """Plan and run `requests` on the live instances: (logits of the requests whose KV landed, the instance
+        failure that stopped the attempt or None)."""
         by_rid = {r.rid: r for r in requests}
         schedule = self._schedule(requests)
+        stats.schedule.extend(schedule)
         pieces = {d: self._pieces(d, by_rid[d.rid].destination) for d in schedule}
         receivers = 1 + max(s.instance for r in requests for s in r.destination.shards)
         transfers = TransferEngine(
             sink, receivers, self.config.num_instances, self.config.transfer_backends, self.config.transfer_workers
         )
-        stats = TierStats(schedule=schedule)
         logits: dict[str, torch.Tensor] = {}
+        failure = None
         try:
             for rid, counts in _expected_pieces(pieces).items():
                 transfers.expect(rid, counts)
             for r in requests:
                 self.executor.start(r.rid, r.tokens)
-            for d in schedule:
-                for sender, receiver in pieces[d]:
-                    transfers.handshake(d.rid, d.index, sender, receiver)  # before the compute: overlaps it
-                result = self._run(d, stats)
-                self._stream(transfers, d, result, by_rid[d.rid].destination)
-                if d.last:
-                    logits[d.rid] = result.logits
-                    self.executor.finish(d.rid)
-            transfers.wait([r.rid for r in requests], self.config.timeout_s)
+            try:
+                for d in schedule:
+                    for sender, receiver in pieces[d]:
+                        transfers.handshake(d.rid, d.index, sender, receiver)  # before the compute: overlaps it
+                    result = self._run(d, stats)
+                    self._stream(transfers, d, result, by_rid[d.rid].destination)
+                    if d.last:
+                        logits[d.rid] = result.logits
+                        self.executor.finish(d.rid)
+            except PrefillInstanceFailure as e:
+                failure = e
+            if failure is None:
+                transfers.wait(list(by_rid), self.config.timeout_s)
         finally:
             for r in requests:
                 self.executor.finish(r.rid)
-            transfers.close()
-        stats.transfers = list(transfers.log)
-        self.stats = stats
-        return logits
+            transfers.close()  # every copy already started has finished
+        stats.transfers.extend(transfers.log)
+        if failure is not None:
+            logits = {rid: v for rid, v in logits.items() if _landed(transfers, rid)}
+        return logits, failure
+
+    def _lose(self, failure: PrefillInstanceFailure, replanned: list[str], stats: TierStats) -> None:
+        """Plan on the surviving instances from now on."""
+        survivors = self.executor.alive()
+        record = PrefillFailure(failure.instance, tuple(replanned), tuple(survivors), str(failure))
+        self.failures.append(record)
+        stats.failures.append(record)
+        if not survivors:
+            raise TierError(f"every prefill instance is gone; {len(replanned)} requests cannot be prefilled") from (
+                failure
+            )
+        self.members = survivors
+        self.planner = CdspPlanner(self.models, self._planner_config(survivors))
 
     def _check(self, requests: list[PrefillRequest]) -> None:
         rids = [r.rid for r in requests]
@@ -189,7 +252,8 @@ class CdspPrefillTier:
             jobs.append(PrefillJob(r.rid, len(r.tokens), arrival, arrival + c.ttft_slo_scale * work))
         committed = run_to_completion(scheduler, jobs)
         order = sorted(range(len(committed)), key=lambda k: (committed[k].start, k))
-        return [committed[k] for k in order]
+        members = self.members
+        return [replace(committed[k], instances=tuple(members[i] for i in committed[k].instances)) for k in order]
 
     def _run(self, d: ChunkDispatch, stats: TierStats) -> ChunkResult:
         began = time.perf_counter()
@@ -220,6 +284,15 @@ class CdspPrefillTier:
                 )
         for (sender, receiver), writes in data.items():
             transfers.ready(d.rid, d.index, sender, receiver, writes)
+
+
+def _landed(transfers: TransferEngine, rid: str) -> bool:
+    """After `transfers.close()`: did every piece of `rid` land? (Nothing is in flight any more, so no wait.)"""
+    try:
+        transfers.wait([rid], timeout_s=0.0)
+    except HandoffError:
+        return False
+    return True
 
 
 def _expected_pieces(pieces: dict[ChunkDispatch, list[tuple[int, int]]]) -> dict[str, dict[int, int]]:
