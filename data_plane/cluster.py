@@ -44,7 +44,7 @@ from .instance import DecodeInstance, InstanceLimits, RowInput, RowOutput
 from .kv_pool import PagedKVPool
 from .timing import PhaseRecord, TimingLog
 
-BACKENDS = ("inline", "threads", "processes")
+BACKENDS = ("inline", "threads", "processes", "ray")
 
 
 class InstanceFailure(RuntimeError):
@@ -138,9 +138,9 @@ class _LocalPools:
 
     pools: list[PagedKVPool]
 
-    def write_kv(self, instance: int, frames: list[int], kv: torch.Tensor) -> None:
-        """kv [L, n, Dkv] -> slots 0..n-1 of a shard whose pages are `frames` on `instance`."""
-        self.pools[instance].write_range(frames, 0, kv)
+    def write_kv(self, instance: int, frames: list[int], start_slot: int, kv: torch.Tensor) -> None:
+        """kv [L, n, Dkv] -> slots start_slot.. of a shard whose pages are `frames` on `instance` (a KV sink)."""
+        self.pools[instance].write_range(frames, start_slot, kv)
 
 
 class ThreadCluster(_LocalPools):
@@ -472,11 +472,16 @@ class ProcessCluster(_LocalPools):
         ShmFabric.cleanup(self._info)
 
 
-def make_cluster(backend: str, cfg: ClusterConfig) -> ThreadCluster | ProcessCluster:
+def make_cluster(backend: str, cfg: ClusterConfig, **options):
+    """A decode cluster of `cfg.num_instances` instances; `options` go to the Ray cluster (placement)."""
     if backend == "inline":
         return InlineCluster(cfg)
     if backend == "threads":
         return ThreadCluster(cfg)
     if backend == "processes":
         return ProcessCluster(cfg)
+    if backend == "ray":
+        from .ray_cluster import RayCluster
+
+        return RayCluster(cfg, **options)
     raise ValueError(f"unknown backend {backend!r}; choose one of {BACKENDS}")

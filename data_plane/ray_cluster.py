@@ -128,8 +128,8 @@ class InstanceActor:
         records, self.instance.timing.records = self.instance.timing.records, []
         return ("ok", out, records)
 
-    def write_kv(self, frames: list[int], kv: torch.Tensor) -> None:
-        self.instance.pool.write_range(frames, 0, kv)
+    def write_kv(self, frames: list[int], start_slot: int, kv: torch.Tensor) -> None:
+        self.instance.pool.write_range(frames, start_slot, kv)
 
     def close(self) -> None:
         """Collective for the dist fabric: every actor closes concurrently."""
@@ -323,12 +323,15 @@ class RayCluster:
             self.feed.held_now(r, table)
         return [out for result in results for out in result]
 
-    def write_kv(self, instance: int, frames: list[int], kv: torch.Tensor) -> None:
-        """kv [L, n, Dkv] -> slots 0..n-1 of a shard whose pages are `frames` on `instance` (an actor call)."""
+    def write_kv(self, instance: int, frames: list[int], start_slot: int, kv: torch.Tensor) -> None:
+        """kv [L, n, Dkv] -> slots start_slot.. of a shard whose pages are `frames` on `instance` (an actor call)."""
         import ray
 
         try:
-            ray.get(self._h.actors[instance].write_kv.remote(list(frames), kv.contiguous()), timeout=self.cfg.timeout_s)
+            ray.get(
+                self._h.actors[instance].write_kv.remote(list(frames), start_slot, kv.contiguous()),
+                timeout=self.cfg.timeout_s,
+            )
         except ray.exceptions.RayError as e:
             raise InstanceFailure(f"writing KV into instance {instance} failed: {e}") from e
 

@@ -6,9 +6,8 @@ import argparse
 import os
 
 PREFILL_HELP = (
-    "prefill instances of the CDSP prefill tier (default 2). Accepted now; it takes effect once the CDSP prefill "
-    "tier is wired into the router. Until then prompts are prefilled by the engine's built-in single-instance "
-    "prefill in the server process, whatever this value is"
+    "prefill instances of the CDSP prefill tier (default 2): prompts are computed with chunkwise dynamic sequence "
+    "parallelism over them and their KV handed straight to the decode pages; 0 prefills on the engine's driver"
 )
 
 
@@ -90,8 +89,8 @@ def _add_server_args(p: argparse.ArgumentParser) -> None:
 def _server_config(args: argparse.Namespace):
     from nanocp.control_plane.api.server import ServerConfig
 
-    if args.prefill_instances < 1:
-        raise ValueError(f"--prefill-instances must be >= 1, got {args.prefill_instances}")
+    if args.prefill_instances < 0:
+        raise ValueError(f"--prefill-instances must be >= 0, got {args.prefill_instances}")
     if args.max_pending_requests < 1:
         raise ValueError(f"--max-pending-requests must be >= 1, got {args.max_pending_requests}")
     return ServerConfig(
@@ -110,7 +109,7 @@ def _engine_config(args: argparse.Namespace, **overrides):
 
     from .cli import engine_kwargs
 
-    kwargs = engine_kwargs(args) | overrides
+    kwargs = engine_kwargs(args) | {"prefill_instances": args.prefill_instances} | overrides
     kwargs["scheduler_backend"] = "cpp" if hasattr(_core, "SchedulerCore") else "python"
     return EngineConfig(model=args.model, **kwargs)
 

@@ -22,6 +22,8 @@ from nanocp.data_plane.instance import InstanceLimits, RowInput, RowOutput
 from nanocp.data_plane.sampling import SamplingParams, sample_token
 from nanocp.data_plane.timing import PhaseRecord
 from nanocp.models import load_config, load_model, load_tokenizer, prefill_forward, prefill_forward_packed
+from nanocp.prefill.handoff import KVDestination
+from nanocp.prefill.tier import CdspPrefillTier, PrefillRequest, TierConfig
 
 
 @dataclass
@@ -42,6 +44,11 @@ class EngineConfig:
     metadata_timeout_s: float = 2.0  # processes backend: wait for a routing table before asking for a resend
     use_graphs: bool = False  # AOT graph engine (buckets over the execution shape, one static pool)
     num_steps: int = 1  # decode steps per iteration (multi-step execution: one plan, k sub-steps on the instances)
+    # CDSP prefill tier (Tetris): 0 = the driver prefills admitted prompts itself (packed, one device); N > 0 = N
+    # prefill instances compute prompts with chunkwise dynamic SP and hand the KV straight to the decode pages.
+    prefill_instances: int = 0
+    prefill_queue_policy: str = "fcfs"  # "fcfs" (Tetris queue-time estimates) | "lars" (Medha relative slack)
+    cluster_options: dict = field(default_factory=dict)  # backend-specific (e.g. Ray placement)
     # Intra-op threads for torch in this process (None: leave torch's setting). Decode work here is many small
     # ops; OpenMP fan-out on them costs more than it gives, badly so when other processes share the cores.
     torch_threads: int | None = 1
@@ -125,6 +132,15 @@ class Engine:
         self.model_config = load_config(config.model)
         self.tokenizer = load_tokenizer(config.model)
         self.prefill_model = load_model(config.model, dtype=config.dtype)
+        self.prefill_tier = None
+        if config.prefill_instances:
+            tier = TierConfig(
+                instances_per_node=config.prefill_instances,
+                queue_policy=config.prefill_queue_policy,
+                max_request_tokens=config.kv_capacity_tokens,
+                timeout_s=config.timeout_s,
+            )
+            self.prefill_tier = CdspPrefillTier(self.prefill_model, tier)
         self.recoveries: list[Recovery] = []
         self._build_cluster(config.cluster_spec())
         self.requests: dict[str, _Request] = {}
@@ -161,7 +177,7 @@ class Engine:
             metadata_timeout_s=config.metadata_timeout_s,
             use_graphs=config.use_graphs,
         )
-        self.cluster = make_cluster(config.backend, cluster_cfg)
+        self.cluster = make_cluster(config.backend, cluster_cfg, **config.cluster_options)
 
     # ------------------------------------------------------------------ failures
 
@@ -278,29 +294,40 @@ class Engine:
         return self.cluster.run_iteration(plan.full_tables(), rows, keep)  # a cluster that tracks no store state
 
     def _prefill(self, admitted: list[Admission]) -> None:
-        """Compute the admitted contexts' KV on the driver (all prompts packed in one forward) and write it into
-        each request's shards, in the pages the scheduler chose; sample the first output token unless this is a
-        recompute after preemption."""
-        contexts = [(self.requests[a.rid].prompt + self.requests[a.rid].output)[: a.context_len] for a in admitted]
-        outs = prefill_forward_packed(self.prefill_model, [torch.tensor(t, dtype=torch.int64) for t in contexts])
-        now = time.monotonic()
-        for adm, out in zip(admitted, outs):
-            req = self.requests[adm.rid]
+        """Compute the admitted contexts' KV and write it into each request's shards, in the pages the scheduler
+        chose (the MoE shard's last `window` slots stay for the tokens this iteration decodes); sample the first
+        output token unless the request already has its next input token (recompute after preemption or a
+        failure). With prefill instances configured, the CDSP tier computes the prompts with chunkwise dynamic SP
+        and hands the KV straight to the decode pages; otherwise the driver prefills all prompts packed."""
+        contexts = {
+            a.rid: (self.requests[a.rid].prompt + self.requests[a.rid].output)[: a.context_len] for a in admitted
+        }
+        destinations = {}
+        for adm in admitted:
             moe = self.scheduler.request_state(adm.rid).moe_instance
             shards = self.scheduler.shard_pages(adm.rid)
             window = sum(n_tokens for _, n_tokens, _ in shards) - adm.context_len  # slots reserved for decoding
-            start = 0
-            for instance, n_tokens, frames in shards:
-                n_context = n_tokens - (window if instance == moe else 0)  # the moe shard's tail: the new tokens
-                self.cluster.write_kv(instance, frames, out.kv[:, start : start + n_context])
-                start += n_context
-            if start != adm.context_len:
-                raise RuntimeError(f"request {adm.rid}: shards hold {start} context tokens, not {adm.context_len}")
+            destinations[adm.rid] = KVDestination.from_shard_pages(shards, moe, window)
+        if self.prefill_tier is not None:
+            requests = [PrefillRequest(a.rid, contexts[a.rid], destinations[a.rid], a.recompute) for a in admitted]
+            last_logits = self.prefill_tier.prefill(requests, self.cluster)  # the KV is in the pages on return
+        else:
+            outs = prefill_forward_packed(
+                self.prefill_model, [torch.tensor(contexts[a.rid], dtype=torch.int64) for a in admitted]
+            )
+            last_logits = {}
+            for adm, out in zip(admitted, outs):
+                for w in destinations[adm.rid].writes(0, adm.context_len):
+                    self.cluster.write_kv(w.instance, list(w.frames), w.start_slot, out.kv[:, w.row_lo : w.row_hi])
+                last_logits[adm.rid] = out.logits[-1]
+        now = time.monotonic()
+        for adm in admitted:
+            req = self.requests[adm.rid]
             if adm.recompute or req.resume:  # KV rebuilt for a request that already has its next input token
                 req.resume = False
             else:
-                first = sample_token(out.logits[-1], req.params, 0, req.seed)
-                self._append(req, first, out.logits[-1].clone() if req.keep_logits else None, now)
+                first = sample_token(last_logits[adm.rid], req.params, 0, req.seed)
+                self._append(req, first, last_logits[adm.rid].clone() if req.keep_logits else None, now)
 
     def _append(self, req: _Request, token: int, logits: torch.Tensor | None, now: float) -> None:
         if req.metrics.first_token_time is None:
@@ -379,3 +406,5 @@ class Engine:
 
     def close(self) -> None:
         self.cluster.close()
+        if self.prefill_tier is not None:
+            self.prefill_tier.close()

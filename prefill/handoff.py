@@ -62,11 +62,11 @@ class PoolSink:
 
 
 def as_sink(target) -> KVSink:
-    """A sink from a decode cluster (anything with `pools`, e.g. `InlineCluster`) or a `KVSink` itself."""
+    """A sink from a decode cluster (every cluster is a KV sink: `write_kv`), a `KVSink`, or bare KV pools."""
+    if hasattr(target, "write_kv"):
+        return target
     if hasattr(target, "pools"):
         return PoolSink(target.pools)
-    if isinstance(target, KVSink):
-        return target
     raise TypeError(f"{type(target).__name__} is neither a KVSink nor a cluster with KV pools")
 
 
@@ -102,12 +102,13 @@ class KVDestination:
 
     @classmethod
     def from_shard_pages(
-        cls, shard_pages: Sequence[tuple[int, int, Sequence[int]]], moe_instance: int
+        cls, shard_pages: Sequence[tuple[int, int, Sequence[int]]], moe_instance: int, window: int = 1
     ) -> KVDestination:
         """From `GlobalScheduler.shard_pages(rid)`: (instance, n_tokens, frames) per shard in binding order; the
-        MoE instance's shard keeps its last slot for the new token, so it receives n_tokens - 1 context tokens."""
+        MoE instance's shard keeps its last `window` slots for the tokens the iteration decodes (one without
+        multi-step), so it receives n_tokens - window context tokens."""
         shards = tuple(
-            ShardDest(int(i), int(n) - (1 if int(i) == moe_instance else 0), tuple(int(f) for f in frames))
+            ShardDest(int(i), int(n) - (window if int(i) == moe_instance else 0), tuple(int(f) for f in frames))
             for i, n, frames in shard_pages
         )
         return cls(shards)

@@ -179,3 +179,15 @@ def test_graph_path_gives_the_same_tokens_as_eager():
     with LLM("tiny", use_graphs=True, **kwargs) as llm:
         graphs = [o.token_ids for o in llm.generate(prompts, params)]
     assert graphs == eager
+
+
+def test_cdsp_prefill_tier_feeds_the_decode_cluster_like_the_driver_prefill(reference_model):
+    """Prompts prefilled by the CDSP tier (chunkwise SP over 2 prefill instances, KV handed to the scheduler's
+    pages) decode exactly like the single-instance reference, also with multi-step windows."""
+    prompts = random_prompts(4, seed=31, low=5, high=90)
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    with LLM("tiny", decode_instances=4, cp_buckets=FORCE_CP, prefill_instances=2, num_steps=2) as llm:
+        outs = llm.generate(prompts, params, return_logits=True)
+        assert llm.engine.prefill_tier is not None
+    for prompt, out in zip(prompts, outs):
+        assert_logits_close(out.logits, reference_logits(reference_model, prompt, out.token_ids))

@@ -59,7 +59,10 @@ def test_serve_defaults_and_prefill_instances_documentation():
     assert (args.host, args.port, args.backend, args.api_key) == ("127.0.0.1", 8000, "processes", None)
     serve = parser._subparsers._group_actions[0].choices["serve"]
     help_text = " ".join(serve.format_help().split())
-    assert "takes effect once the CDSP prefill tier is wired" in help_text
+    assert "chunkwise dynamic sequence parallelism" in help_text
+    from nanocp.cli_serve import _engine_config
+
+    assert _engine_config(args).prefill_instances == 2  # the served engine runs the CDSP prefill tier
     bench = parser.parse_args(["bench", "serve", "--dataset", "mooncake", "--goodput", "ttft:100", "tpot:20"])
     assert bench.dataset == "mooncake" and bench.goodput == ["ttft:100", "tpot:20"]
     deploy = parser.parse_args(["deploy", "--cpu-instances", "3", "--address", "auto"])

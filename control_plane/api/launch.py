@@ -14,14 +14,12 @@ import sys
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import fields, replace
+from dataclasses import replace
 
-from nanocp.data_plane.ray_cluster import RayCluster, RayPlacement
+from nanocp.data_plane.ray_cluster import RayPlacement
 from nanocp.engine import Engine, EngineConfig
 
 from .server import ServerConfig, create_app
-
-_MAKE_CLUSTER_LOCK = threading.Lock()
 
 
 def build_engine(config: EngineConfig, placement: RayPlacement | None = None) -> Engine:
@@ -29,38 +27,7 @@ def build_engine(config: EngineConfig, placement: RayPlacement | None = None) ->
     if config.backend != "ray":
         return Engine(config)
     placement = placement or RayPlacement(config.instances_per_node or config.decode_instances)
-    if "cluster_options" in {f.name for f in fields(EngineConfig)}:  # make_cluster dispatches "ray" itself
-        return Engine(replace(config, cluster_options={"placement": placement, "allow_one_group": True}))
-    return RayEngine(config, placement)
-
-
-class RayEngine(Engine):
-    """An Engine whose decode clusters (the first one, and any rebuilt after an instance failure) are RayClusters.
-
-    The Engine builds clusters with `make_cluster(backend, cfg)` looked up in nanocp.engine; until that function
-    dispatches "ray" itself (a change requested from its owner), the name is wrapped while a cluster is built:
-    "ray" goes to RayCluster, every other backend to the original function.
-    """
-
-    def __init__(self, config: EngineConfig, placement: RayPlacement) -> None:
-        self.placement = placement
-        super().__init__(config)
-
-    def _build_cluster(self, spec) -> None:
-        import nanocp.engine as engine_module
-
-        placement = self.placement
-        with _MAKE_CLUSTER_LOCK:
-            original = engine_module.make_cluster
-
-            def make_cluster(backend: str, cfg):
-                return RayCluster(cfg, placement, allow_one_group=True) if backend == "ray" else original(backend, cfg)
-
-            engine_module.make_cluster = make_cluster
-            try:
-                super()._build_cluster(spec)
-            finally:
-                engine_module.make_cluster = original
+    return Engine(replace(config, cluster_options={"placement": placement, "allow_one_group": True}))
 
 
 def curl_example(url: str, model: str, with_key: bool) -> str:
