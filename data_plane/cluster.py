@@ -309,7 +309,7 @@ def _process_main(cfg: ClusterConfig, rank: int, fabric_info, pool_kv: torch.Ten
                 break
             _, seq, rows, return_logits = msg
             try:
-                table = np.frombuffer(bytes(tables.wait_table(seq, cfg.metadata_timeout_s)), dtype=np.int32)
+                table = np.frombuffer(bytearray(tables.wait_table(seq, cfg.metadata_timeout_s)), dtype=np.int32)
                 if tables.last_seq != seq:
                     raise MetadataChannelError(f"expected routing table {seq}, got {tables.last_seq}")
             except MetadataChannelError as e:  # lost, torn, corrupt, stale or duplicated push: ask for it again
