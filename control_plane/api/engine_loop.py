@@ -22,7 +22,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from nanocp.data_plane.sampling import SamplingParams
 
@@ -339,8 +339,8 @@ class EngineLoop:
             command.stream.publish(Rejected("server is shutting down", 503))
         for rid, tracked in list(self._tracked.items()):
             try:
-                engine.abort(rid)
-                output = engine.output_of(rid)
+                engine.abort(rid)  # its pages back now
+                output = replace(engine.output_of(rid), error="server is shutting down")
             except Exception:  # noqa: BLE001 - the engine may be broken; answer with an error instead
                 output = self._error_output(rid, "server is shutting down")
             tracked.stream.publish(Finished(output))

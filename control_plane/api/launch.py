@@ -19,6 +19,7 @@ from dataclasses import replace
 from nanocp.data_plane.ray_cluster import RayPlacement
 from nanocp.engine import Engine, EngineConfig
 
+from .graceful import make_server
 from .server import ServerConfig, create_app
 
 
@@ -60,8 +61,6 @@ def serve(
     announce: Callable[[str], None] = print,
 ) -> None:
     """Run the OpenAI-compatible server until SIGINT / SIGTERM."""
-    import uvicorn
-
     shown = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
     url = f"http://{shown}:{port}"
     name = server_config.model_name
@@ -75,9 +74,8 @@ def serve(
         announce(f"nanocp: cluster ready, accepting requests at {url}")
 
     app = create_app(server_config, lambda: build_engine(engine_config, placement), on_ready)
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
     with _clean_exit_on_sigterm():
-        uvicorn.Server(config).run()
+        make_server(app, host, port, log_level).run()
 
 
 def deploy(

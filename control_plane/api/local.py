@@ -11,7 +11,8 @@ import threading
 import time
 
 import httpx
-import uvicorn
+
+from .graceful import make_server
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -23,8 +24,7 @@ def free_port(host: str = "127.0.0.1") -> int:
 class ServerThread:
     def __init__(self, app, host: str = "127.0.0.1", port: int | None = None, log_level: str = "warning") -> None:
         self.host, self.port = host, port or free_port(host)
-        config = uvicorn.Config(app, host=self.host, port=self.port, log_level=log_level, timeout_graceful_shutdown=5)
-        self.server = uvicorn.Server(config)
+        self.server = make_server(app, self.host, self.port, log_level)
         self._thread = threading.Thread(target=self.server.run, name="nanocp-uvicorn", daemon=True)
 
     @property

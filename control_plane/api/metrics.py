@@ -94,6 +94,12 @@ class ServingMetrics:
             labels,
             registry=r,
         )
+        self._admitted = Gauge(
+            PREFIX + "num_requests_admitted",
+            "Requests holding an admission slot (accepted by the server, not yet answered).",
+            labels,
+            registry=r,
+        )
         self._kv_usage = Gauge(
             PREFIX + "kv_cache_usage_perc", "Fraction of the cluster's KV pages in use (1 = full).", labels, registry=r
         )
@@ -141,7 +147,8 @@ class ServingMetrics:
         )
         self.model_name = model_name
         # Create every series now, so that a scrape shows zeros rather than missing metrics.
-        for metric in (self._running, self._waiting, self._kv_usage, self._ttft, self._itl, self._e2e, self._tpot):
+        gauges = (self._running, self._waiting, self._admitted, self._kv_usage)
+        for metric in (*gauges, self._ttft, self._itl, self._e2e, self._tpot):
             metric.labels(model_name)
         for metric in (self._prompt_tokens, self._generation_tokens, self._preemptions):
             metric.labels(model_name)
@@ -152,6 +159,9 @@ class ServingMetrics:
         self._running.labels(self.model_name).set(running)
         self._waiting.labels(self.model_name).set(waiting)
         self._kv_usage.labels(self.model_name).set(kv_usage)
+
+    def set_admitted(self, admitted: int) -> None:
+        self._admitted.labels(self.model_name).set(admitted)
 
     def observe_tokens(self, ttft_s: float | None, gaps_s: list[float]) -> None:
         """A request's new tokens: its TTFT if the first token is among them, and the gaps between tokens."""

@@ -11,6 +11,11 @@ away has its request aborted, which frees its KV pages at once.
 
 Streamed text never runs ahead of a stop string (streaming.py), so the concatenated stream equals the
 non-streamed text.
+
+A request the server accepted but cannot complete (the decode cluster failed, lost the capacity to hold it after an
+instance failure, or the server is shutting down) ends with an explicit error: an SSE error event followed by
+`[DONE]` on a stream, a 503 otherwise. An unexpected exception is a 500 with an OpenAI-style body; bad input is
+always a 4xx.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -54,6 +60,8 @@ from .protocol import (
 from .streaming import TextStreamer
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+
+log = logging.getLogger("nanocp.api")
 
 
 @dataclass
@@ -108,6 +116,7 @@ class OpenAIServer:
         app = FastAPI(title="nanocp", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
         app.add_exception_handler(APIError, self._on_api_error)
         app.add_exception_handler(StarletteHTTPException, self._on_http_error)
+        app.add_exception_handler(Exception, self._on_unexpected_error)
         app.get("/health")(self.health)
         protected = APIRouter(dependencies=[Depends(self._authorize)])
         protected.get("/v1/models")(self.models)
@@ -128,6 +137,11 @@ class OpenAIServer:
             exc.status_code, str(exc.detail), "invalid_request_error", "not_found" if exc.status_code == 404 else None
         )
         return JSONResponse(err.body(), status_code=exc.status_code, headers=getattr(exc, "headers", None))
+
+    async def _on_unexpected_error(self, _request: Request, exc: Exception) -> JSONResponse:
+        log.error("unhandled error in a request handler", exc_info=exc)
+        err = errors.server_error(f"internal error: {type(exc).__name__}")
+        return JSONResponse(err.body(), status_code=err.status)
 
     async def _authorize(self, request: Request) -> None:
         key = self.config.api_key
@@ -230,6 +244,7 @@ class OpenAIServer:
         arrival = time.monotonic()
         if not self.admission.try_enter():
             raise errors.too_many_requests(self.admission.retry_after_s(), self.admission.pending)
+        self.metrics.set_admitted(self.admission.pending)
         rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
         job = _Job(rid, kind, int(time.time()), len(ids), params, None, include_usage)
         cleanup = _Cleanup(self, job)
@@ -253,7 +268,7 @@ class OpenAIServer:
         if output is None:  # the client went away; nobody reads this
             return Response(status_code=499)
         if output.finish_reason in ("error", "abort"):
-            raise errors.server_error(f"request {rid} failed: {output.error or output.finish_reason}")
+            raise _incomplete(rid, output)
         use = usage(job.prompt_len, len(output.token_ids))
         name = self.config.model_name
         build = chat_body if kind == "chat" else completion_body
@@ -304,8 +319,7 @@ class OpenAIServer:
             elif isinstance(event, Finished):
                 output = event.output
                 if output.finish_reason in ("error", "abort"):
-                    err = errors.server_error(f"request {job.rid} failed: {output.error or output.finish_reason}")
-                    yield _sse_line(err.body())
+                    yield _sse_line(_incomplete(job.rid, output).body())
                     break
                 rest = streamer.finish(output.text)
                 if chat:
@@ -334,6 +348,7 @@ class _Cleanup:
             return
         self.done = True
         self.server.admission.leave()
+        self.server.metrics.set_admitted(self.server.admission.pending)
         stream = self.job.stream
         if stream is not None and not stream.finished:
             self.server.loop.abort(self.job.rid)
@@ -352,6 +367,12 @@ class _SSEResponse(StreamingResponse):
             await super().__call__(scope, receive, send)
         finally:
             self._on_close()
+
+
+def _incomplete(rid: str, output) -> APIError:
+    """An accepted request that ended without its answer (engine failure, capacity lost after an instance
+    failure, shutdown): 503, the service could not finish it; never the client's fault."""
+    return errors.unavailable(f"request {rid} could not be completed: {output.error or output.finish_reason}")
 
 
 def _sse_line(body: dict) -> str:
