@@ -81,19 +81,19 @@ nb::tuple loads(const SchedulerCore& core) {
                         int_list(free));
 }
 
-nb::tuple request_info(const SchedulerCore& core, int64_t handle) {
+nb::tuple request_info(SchedulerCore& core, int64_t handle) {
   const sched::Request& r = core.request(handle);
   return nb::make_tuple(r.prompt_len, r.max_new_tokens, core.decode_steps(r), int(r.status), r.moe);
 }
 
-nb::tuple binding(const SchedulerCore& core, int64_t handle) {
+nb::tuple binding(SchedulerCore& core, int64_t handle) {
   const sched::Request& r = core.request(handle);
   nb::list shards;
   for (int32_t k = 0; k < r.nshards; ++k) shards.append(nb::make_tuple(r.shard(k).instance, r.shard(k).tokens));
   return nb::make_tuple(r.moe, shards);
 }
 
-nb::list shard_pages(const SchedulerCore& core, int64_t handle) {
+nb::list shard_pages(SchedulerCore& core, int64_t handle) {
   const sched::Request& r = core.request(handle);
   nb::list out;
   for (int32_t k = 0; k < r.nshards; ++k) {

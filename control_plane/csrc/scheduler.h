@@ -3,6 +3,9 @@
 // Same decisions as the reference, cheaper bookkeeping:
 //  - requests live in a slot pool (flat vector), handles map to slots once per API call;
 //  - decode_steps of running requests is implicit (offset + decode steps of the finished iterations);
+//  - the growth pass and lowering run over dense per-batch records (BatchRec) and touch a request itself only
+//    when it needs a page, moves, finishes or has frames to list: the records hold the running requests' tail
+//    tokens and windows (copied into the requests before anything else reads them);
 //  - requests due to finish next step are collected while the growth pass visits them;
 //  - only multi-shard requests take part in MoE rebalancing, ordered by a stable counting sort;
 //  - every shard keeps its frames contiguous and a count of those already lowered, so lowering writes only the
@@ -61,6 +64,7 @@ struct alignas(64) Request {
   int64_t due_at = 0;  // running: out of decode budget once steps_done_ reaches due_at (= max_new_tokens - 1 - decode_base)
   // second line
   int8_t status = kFree;
+  int32_t pos = -1;  // running: index in the batch arrays (kept current by compaction)
   int64_t decode_base = 0;  // waiting: decode_steps; running: decode_steps - steps_done_ (until the last window)
   int64_t max_new_tokens = 0;
   int64_t uid = -1;  // unique per add_request; tells stale list entries apart after slot reuse
@@ -79,6 +83,19 @@ struct alignas(64) Request {
   }
 };
 static_assert(sizeof(Shard) + 4 * sizeof(int32_t) + sizeof(int64_t) == 64, "growth state must fill one line");
+
+// A running request's growth and lowering state, in batch order (parallel to the batch). While the request runs,
+// its tail shard's token count and its window live here; SchedulerCore::sync copies them into the Request.
+struct BatchRec {
+  int64_t tokens = 0;      // tokens of the tail shard (on the MoE instance)
+  int64_t due_at = 0;      // copy of Request::due_at
+  int32_t blocks = 0;      // frames of the tail shard
+  int32_t moe = -1;        // copy of Request::moe
+  int32_t slot = -1;       // the tail shard's block-table slot (-1: not handed out yet)
+  int32_t window = 1;      // decode steps of this iteration
+  int32_t lower_fast = 0;  // one shard, every frame listed, slot known: lowering needs nothing else
+};
+static_assert(sizeof(BatchRec) == 40, "dense batch records");
 
 // An int32 output buffer shared with numpy; reused once Python has dropped every view of it.
 struct TableBuffer {
@@ -120,7 +137,7 @@ class SchedulerCore {
   const std::vector<int64_t>& kv_tokens() const { return kv_tokens_; }
   const std::vector<int64_t>& moe_batch() const { return moe_batch_; }
   const std::vector<int64_t>& num_shards() const { return num_shards_; }
-  const Request& request(int64_t handle) const;  // throws UnknownHandle
+  const Request& request(int64_t handle);  // with its tail tokens and window current; throws UnknownHandle
   int64_t decode_steps(const Request& r) const {
     // A window cut short by the decode budget ends the request exactly at max_new_tokens - 1.
     return r.status == kRunning ? std::min(r.decode_base + steps_done_, r.max_new_tokens - 1) : r.decode_base;
@@ -158,20 +175,24 @@ class SchedulerCore {
   int32_t slot_of(int64_t handle) const;
   int32_t new_slot();
   void delete_request(int32_t slot);
-  void compact_running();
-  // Batch passes touch requests in batch order, i.e. scattered slots: the growth pass and lowering need one request
-  // line each (fetched kFar ahead); the few new frames a table lists are read right after their shard's line.
-  static constexpr size_t kFar = 16;
+  void compact_running(bool force = false);  // drop the holes (only once they are an eighth of the batch)
+  // Batch passes stream the batch records and touch a request only on its slow path: its line is fetched kFar
+  // records ahead when the record says the slow path is likely.
+  static constexpr size_t kFar = 48;
   void prefetch_request(size_t k) const {
-    if (k + kFar < running_.size()) __builtin_prefetch(&reqs_[running_[k + kFar]]);
+    if (k + kFar < running_.size() && running_[k + kFar] >= 0) __builtin_prefetch(&reqs_[running_[k + kFar]]);
   }
   void remove_running(int32_t slot);
+  size_t batch_pos(const Request& r) const { return size_t(r.pos); }  // a running request's index in the batch
+  void sync(size_t pos);                     // the record's tail tokens and window -> the request
+  BatchRec make_rec(const Request& r) const;
 
   // one iteration
   void finish_completed();
   void finish_slot(int32_t slot);
   void rebalance_moe();
   void grow_all();
+  bool grow_request(size_t pos, int64_t n);
   bool grow_slow(int32_t slot, int64_t n);
   int growth_target(const Request& r, int64_t n) const;
   bool has_room(const Request& r, int instance, int64_t n) const;
@@ -204,6 +225,8 @@ class SchedulerCore {
   void start_table(int instance, int32_t* base, size_t total, bool full, Cursor& cursor) const;
   template <bool kAll, bool kFull>
   void write_tables(std::vector<Cursor>& cursors, int only);
+  template <bool kAll, bool kFull>
+  void write_request(size_t k, int32_t g, Cursor* cursors, int only);
   void finish_tables(std::vector<Cursor>& cursors, int only);
   std::shared_ptr<TableBuffer> pooled_buffer(size_t size);
 
@@ -229,8 +252,9 @@ class SchedulerCore {
   std::vector<Request> reqs_;  // slot pool
   std::vector<int32_t> free_slots_;
   std::unordered_map<int64_t, int32_t> slot_of_handle_;
-  std::vector<int32_t> running_;      // slots in batch order; -1 = removed (compacted lazily)
-  std::vector<int64_t> running_seq_;  // admit_seq of each running_ entry (sorted: batch order = admission order)
+  std::vector<int32_t> running_;      // slots in batch (= admission) order; -1 = removed (a hole, compacted lazily;
+                                      // never last)
+  std::vector<BatchRec> rec_;         // the record of each running_ entry
   int64_t running_dead_ = 0;
   std::vector<Ref> waiting_;  // queue order; stale entries are skipped and dropped at admission
   int64_t num_waiting_ = 0;

@@ -151,9 +151,10 @@ int32_t SchedulerCore::slot_of(int64_t handle) const {
   return it == slot_of_handle_.end() ? -1 : it->second;
 }
 
-const Request& SchedulerCore::request(int64_t handle) const {
+const Request& SchedulerCore::request(int64_t handle) {
   const int32_t slot = slot_of(handle);
   if (slot < 0) throw UnknownHandle{handle};
+  if (reqs_[slot].status == kRunning) sync(batch_pos(reqs_[slot]));
   return reqs_[slot];
 }
 
@@ -217,6 +218,7 @@ void SchedulerCore::finish(int64_t handle) {
 void SchedulerCore::finish_slot(int32_t slot) {
   Request& r = reqs_[slot];
   if (r.status == kRunning) {
+    sync(batch_pos(r));
     release(r);
     remove_running(slot);
   } else {
@@ -234,36 +236,62 @@ void SchedulerCore::finish_slot(int32_t slot) {
   }
 }
 
-// The batch is in admission order, so a request's position is found by binary search on admit_seq.
+void SchedulerCore::sync(size_t pos) {
+  const BatchRec& b = rec_[pos];
+  Request& r = reqs_[running_[pos]];
+  r.shard(r.moe_shard).tokens = b.tokens;
+  r.window = b.window;
+}
+
+BatchRec SchedulerCore::make_rec(const Request& r) const {
+  const Shard& tail = r.shard(r.moe_shard);
+  BatchRec b;
+  b.tokens = tail.tokens;
+  b.blocks = tail.frames.size();
+  b.due_at = r.due_at;
+  b.moe = r.moe;
+  b.slot = tail.slot;
+  b.window = r.window;
+  b.lower_fast = r.nshards == 1 && tail.emitted == tail.frames.size() && tail.slot >= 0;
+  return b;
+}
+
+// A request leaves the batch: the last entry is popped, any other becomes a hole.
 void SchedulerCore::remove_running(int32_t slot) {
-  const int64_t seq = reqs_[slot].admit_seq;
-  const size_t pos = size_t(std::lower_bound(running_seq_.begin(), running_seq_.end(), seq) - running_seq_.begin());
+  const size_t pos = batch_pos(reqs_[slot]);
   if (pos + 1 == running_.size()) {
     running_.pop_back();
-    running_seq_.pop_back();
+    rec_.pop_back();
+    while (!running_.empty() && running_.back() < 0) {  // never end in a hole: back() is the newest request
+      running_.pop_back();
+      rec_.pop_back();
+      --running_dead_;
+    }
   } else {
     running_[pos] = -1;
     ++running_dead_;
   }
 }
 
-void SchedulerCore::compact_running() {
-  if (!running_dead_) return;
+void SchedulerCore::compact_running(bool force) {
+  if (!running_dead_ || (!force && running_dead_ * 8 < int64_t(running_.size()))) return;  // holes are skipped
   size_t keep = 0;
   for (size_t k = 0; k < running_.size(); ++k) {
     if (running_[k] < 0) continue;
+    if (keep != k) reqs_[running_[k]].pos = int32_t(keep);
     running_[keep] = running_[k];
-    running_seq_[keep++] = running_seq_[k];
+    rec_[keep++] = rec_[k];
   }
   running_.resize(keep);
-  running_seq_.resize(keep);
+  rec_.resize(keep);
   running_dead_ = 0;
 }
 
 std::vector<int64_t> SchedulerCore::batch_handles() {
-  compact_running();
-  std::vector<int64_t> out(running_.size());
-  for (size_t g = 0; g < running_.size(); ++g) out[g] = reqs_[running_[g]].handle;
+  std::vector<int64_t> out;
+  out.reserve(running_.size() - size_t(running_dead_));
+  for (int32_t slot : running_)
+    if (slot >= 0) out.push_back(reqs_[slot].handle);
   return out;
 }
 
@@ -296,7 +324,13 @@ void SchedulerCore::step(int64_t num_steps) {
 // reference.py _finish_completed: running requests out of decode budget (batch order), then waiting requests that
 // need no decode iteration (queue order).
 void SchedulerCore::finish_completed() {
-  for (const Ref& e : due_) {
+  for (size_t i = 0; i < due_.size(); ++i) {
+    if (i + 4 < due_.size()) {  // both lines of a request a few finishes ahead
+      const char* ahead = reinterpret_cast<const char*>(&reqs_[due_[i + 4].slot]);
+      __builtin_prefetch(ahead);
+      __builtin_prefetch(ahead + 64);
+    }
+    const Ref& e = due_[i];
     const Request& r = reqs_[e.slot];
     if (r.uid == e.uid && r.status == kRunning && decode_steps(r) >= r.max_new_tokens - 1) finish_slot(e.slot);
   }
@@ -332,6 +366,8 @@ void SchedulerCore::rebalance_moe() {
 
   for (const MultiRef& e : multi_sorted_) {
     Request& r = reqs_[e.slot];
+    const size_t pos = batch_pos(r);
+    sync(pos);
     const int old = r.moe;
     moe_batch_[old] -= 1;
     int best = old, best_shard = r.moe_shard;
@@ -348,6 +384,7 @@ void SchedulerCore::rebalance_moe() {
       bind_moe(r, best);
     }
     r.moe_shard = best_shard;
+    rec_[pos] = make_rec(r);
   }
 }
 
@@ -392,31 +429,53 @@ int SchedulerCore::growth_target(const Request& r, int64_t n) const {
 }
 
 // Every running request reserves its window (num_steps tokens, fewer when its decode budget ends sooner) on its
-// MoE instance (reference.py step's growth loop + _grow). Requests out of decode budget after this iteration are
-// noted for the next step's finish pass.
+// MoE instance (reference.py step's growth loop + _grow). Most requests only need room at their tail shard's last
+// page: their batch record alone grows. Requests out of decode budget after this iteration are noted for the next
+// step's finish pass.
 void SchedulerCore::grow_all() {
-  const int64_t page = shape_.page_size;
-  const int64_t steps_after = steps_done_ + num_steps_;
-  for (size_t k = 0; k < running_.size(); ++k) {  // preemption only pops from the back: size() is re-read
-    prefetch_request(k);
-    const int32_t slot = running_[k];
-    Request& r = reqs_[slot];
-    Shard& s = r.shard(r.moe_shard);
-    const int64_t w = window_of(r.due_at - steps_done_);
-    const int64_t tail = s.tail_room(page);
-    if (s.tokens + w > group_tokens_) {  // medha: the tail group would pass N tokens
-      if (!grow_slow(slot, w)) continue;
-    } else if (tail >= w) {
-      s.tokens += w;
-      kv_tokens_[r.moe] += w;
-    } else if (tail + int64_t(pages_.free_frames(r.moe)) * page >= w) {
-      add_tokens(s, w);
-    } else if (!grow_slow(slot, w)) {
-      continue;  // preempted itself
+  const int64_t done = steps_done_, steps = num_steps_, page = shape_.page_size, group = group_tokens_;
+  const int64_t steps_after = done + steps;
+  int64_t* const kv = kv_tokens_.data();
+  BatchRec* const recs = rec_.data();  // preemption only pops records: no reallocation
+  size_t n = running_.size();
+  for (size_t k = 0; k < n; ++k) {
+    if (k + kFar < n) {  // the line of a request likely to need a page or to finish
+      const BatchRec& ahead = recs[k + kFar];
+      if (ahead.tokens + steps > ahead.blocks * page || steps_after >= ahead.due_at) prefetch_request(k);
     }
-    r.window = int32_t(w);
-    if (steps_after >= r.due_at) due_.push_back({slot, r.uid});
+    if (running_[k] < 0) continue;  // a hole left by a finished request
+    BatchRec& b = recs[k];
+    const int64_t left = b.due_at - done;  // decode steps the request has left
+    const int64_t w = left < steps ? std::max<int64_t>(left, 1) : steps;
+    const int64_t after = b.tokens + w;
+    if (after <= b.blocks * page && after <= group) {
+      b.tokens = after;
+      b.window = int32_t(w);
+      kv[b.moe] += w;
+    } else {
+      const bool grown = grow_request(k, w);
+      n = running_.size();  // preemption pops requests from the back of the batch
+      if (!grown) continue;  // preempted itself
+    }
+    if (steps_after >= b.due_at) due_.push_back({running_[k], reqs_[running_[k]].uid});
   }
+}
+
+// The growth of one request whose tail page is full (or, medha, whose tail group is): a new page on its MoE
+// instance, else another target (grow_slow). False if the request preempted itself.
+bool SchedulerCore::grow_request(size_t pos, int64_t n) {
+  const int32_t slot = running_[pos];
+  sync(pos);
+  Request& r = reqs_[slot];
+  Shard& s = r.shard(r.moe_shard);
+  const int64_t page = shape_.page_size;
+  if (s.tokens + n <= group_tokens_ && s.tail_room(page) + int64_t(pages_.free_frames(r.moe)) * page >= n)
+    add_tokens(s, n);
+  else if (!grow_slow(slot, n))
+    return false;
+  r.window = int32_t(n);
+  rec_[pos] = make_rec(r);
+  return true;
 }
 
 // reference.py _grow when the MoE instance is full: find another target, preempting the most recently admitted
@@ -425,7 +484,7 @@ bool SchedulerCore::grow_slow(int32_t slot, int64_t n) {
   Request& r = reqs_[slot];
   int target;
   while ((target = growth_target(r, n)) < 0) {
-    const int32_t victim = running_.back();  // the most recently admitted: growth leaves no holes in the batch
+    const int32_t victim = running_.back();  // the most recently admitted (the batch never ends in a hole)
     preempt(victim);
     if (victim == slot) return false;
   }
@@ -505,6 +564,7 @@ void SchedulerCore::release(Request& r) {  // reference.py _release
 void SchedulerCore::preempt(int32_t slot) {  // reference.py _preempt (the queue front is rebuilt at admission)
   Request& r = reqs_[slot];
   const int64_t steps = decode_steps(r);
+  sync(batch_pos(r));
   release(r);
   remove_running(slot);
   r.status = kWaiting;
@@ -589,8 +649,9 @@ void SchedulerCore::commit(int32_t slot, int moe, int64_t window) {
   r.window = int32_t(window);
   r.decode_base = steps + window - (steps_done_ + num_steps_);  // decode_steps = steps + window after this step
   r.due_at = r.max_new_tokens - 1 - r.decode_base;
+  r.pos = int32_t(running_.size());
   running_.push_back(slot);
-  running_seq_.push_back(r.admit_seq);
+  rec_.push_back(make_rec(r));
   --num_waiting_;
   last_admitted_.emplace_back(r.handle, r.context_len() - window, recompute);
   if (steps_done_ + num_steps_ >= r.due_at) due_.push_back({slot, r.uid});

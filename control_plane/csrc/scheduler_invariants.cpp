@@ -11,7 +11,8 @@ void SchedulerCore::check_invariants() {
   auto require = [](bool ok, const std::string& what) {
     if (!ok) throw InvariantError(what);
   };
-  compact_running();
+  compact_running(true);
+  for (size_t g = 0; g < running_.size(); ++g) sync(g);
   const int n = shape_.num_instances;
   const int64_t page = shape_.page_size;
   std::vector<int64_t> kv(n, 0), batch(n, 0), shards(n, 0), remote(n, 0), node(shape_.num_nodes, 0);
@@ -20,13 +21,13 @@ void SchedulerCore::check_invariants() {
   for (int i = 0; i < n; ++i) slot_seen[i].assign(size_t(slots_[i].high()), 0);
   std::vector<std::vector<char>> frame_seen(n, std::vector<char>(shape_.frames_per_instance, 0));
   int64_t multi_shard = 0;
-  require(running_seq_.size() == running_.size(), "batch admission-order index out of date");
+  require(rec_.size() == running_.size(), "batch records out of date");
   for (size_t g = 0; g < running_.size(); ++g) {
     const int32_t slot = running_[g];
     const Request& r = reqs_[slot];
     require(r.status == kRunning, "batch holds a request that is not running");
-    require(running_seq_[g] == r.admit_seq, "batch admission-order index out of date");
-    require(g == 0 || running_seq_[g - 1] < r.admit_seq, "batch is not in admission order");
+    require(r.pos == int32_t(g), "batch position out of date");
+    require(g == 0 || reqs_[running_[g - 1]].admit_seq < r.admit_seq, "batch is not in admission order");
     require(r.nshards >= 1 && r.moe_shard >= 0 && r.moe_shard < r.nshards && r.shard(r.moe_shard).instance == r.moe,
             "MoE instance must hold a shard");
     batch[r.moe] += 1;
@@ -53,6 +54,11 @@ void SchedulerCore::check_invariants() {
       }
     }
     require(r.due_at == r.max_new_tokens - 1 - r.decode_base, "decode budget out of date");
+    const BatchRec want = make_rec(r), &got = rec_[g];
+    require(got.tokens == want.tokens && got.blocks == want.blocks && got.due_at == want.due_at &&
+                got.moe == want.moe && got.window == want.window && (!got.lower_fast || want.lower_fast) &&
+                (!got.lower_fast || got.slot == want.slot),
+            "batch record out of date");
     require(r.window >= 1 && r.window <= num_steps_, "window outside [1, num_steps]");
     // due_ must name every request that is out of decode budget at the next step
     if (decode_steps(r) >= r.max_new_tokens - 1) {

@@ -81,73 +81,87 @@ void SchedulerCore::start_table(int i, int32_t* base, size_t total, bool full, C
 
 // One pass over the batch (lowering.py lower_reference). kAll: write every instance; else only `only`, while still
 // counting rows everywhere (receive rows are numbered across instances). kFull: list every frame of every shard.
-// The frames a written shard lists are marked as listed (`emitted`).
+// A request whose record says it has one shard with every frame listed is lowered from its record alone.
 template <bool kAll, bool kFull>
 void SchedulerCore::write_tables(std::vector<Cursor>& cur, int only) {
-  for (size_t g = 0; g < running_.size(); ++g) {
-    prefetch_request(g);
-    Request& r = reqs_[running_[g]];
-    const int64_t context_len = r.context_len();
-    if (context_len > INT32_MAX) throw std::overflow_error("context length does not fit the int32 routing table");
-    const int m = r.moe;
-    Cursor& cm = cur[m];
-    const bool write_m = kAll || m == only;
-    const int32_t moe_row = cm.n_moe++;
-    int32_t* moe_entry = write_m ? cm.moe + 4 * size_t(moe_row) : nullptr;
-    if (write_m) {
-      moe_entry[0] = int32_t(g);
-      moe_entry[1] = int32_t(context_len - r.window);
-      moe_entry[3] = r.window;
+  Cursor* const cursors = cur.data();
+  int32_t g = 0;  // batch index: holes do not count
+  for (size_t k = 0; k < running_.size(); ++k) {
+    if (k + kFar < rec_.size() && (kFull || !rec_[k + kFar].lower_fast)) prefetch_request(k);
+    if (running_[k] < 0) continue;
+    const BatchRec& b = rec_[k];
+    if (kFull || !b.lower_fast) {
+      write_request<kAll, kFull>(k, g++, cursors, only);
+      continue;
     }
-    for (int32_t k = 0; k < r.nshards; ++k) {
-      Shard& s = r.shard(k);
-      const int inst = s.instance;
-      Cursor& ct = cur[inst];
-      const bool write_t = kAll || inst == only;
-      const int32_t shard_idx = ct.n_shards++;
-      int32_t source = -1;
-      if (inst == m) {
-        if (write_m) moe_entry[2] = shard_idx;
-      } else {
-        source = ct.n_remote_in++;
-        const int32_t res_row = cm.n_remote_out++;
-        if (write_t) {
-          int32_t* q_recv = ct.q_recv + 2 * size_t(source);
-          q_recv[0] = m;
-          q_recv[1] = shard_idx;
-          int32_t* res_send = ct.res_send + 3 * size_t(source);
-          res_send[0] = shard_idx;
-          res_send[1] = m;
-          res_send[2] = res_row;
-        }
-        if (write_m) {
-          int32_t* q_send = cm.q_send + 3 * size_t(res_row);
-          q_send[0] = moe_row;
-          q_send[1] = inst;
-          q_send[2] = source;
-          int32_t* res_recv = cm.res_recv + 2 * size_t(res_row);
-          res_recv[0] = inst;
-          res_recv[1] = moe_row;
-        }
-      }
-      if (!write_t) continue;
-      int32_t* row = ct.shards + 4 * size_t(shard_idx);
-      row[0] = int32_t(g);
-      row[1] = source;
-      row[2] = int32_t(s.tokens);
-      row[3] = s.slot;
-      const int32_t n_frames = s.frames.size();
-      int32_t* update = ct.updates + 3 * size_t(ct.n_updates);
-      for (int32_t b = kFull ? 0 : s.emitted; b < n_frames; ++b, update += 3) {
-        update[0] = s.slot;
-        update[1] = b;
-        update[2] = s.frames[b];
-      }
-      ct.n_updates += n_frames - (kFull ? 0 : s.emitted);
-      s.emitted = n_frames;
-      ct.max_blocks = std::max(ct.max_blocks, n_frames);
+    Cursor& c = cursors[b.moe];
+    const int32_t moe_row = c.n_moe++, shard_idx = c.n_shards++;
+    if (!kAll && b.moe != only) {
+      ++g;
+      continue;
     }
+    if (b.tokens > INT32_MAX) throw std::overflow_error("context length does not fit the int32 routing table");
+    const int32_t tokens = int32_t(b.tokens);
+    const int32_t moe_entry[4] = {g, tokens - b.window, shard_idx, b.window};
+    const int32_t row[4] = {g++, -1, tokens, b.slot};
+    std::memcpy(c.moe + 4 * size_t(moe_row), moe_entry, sizeof(moe_entry));
+    std::memcpy(c.shards + 4 * size_t(shard_idx), row, sizeof(row));
+    if (b.blocks > c.max_blocks) c.max_blocks = b.blocks;
   }
+}
+
+// The rows of batch entry k (batch index g) from the request itself (several shards, frames to list, no slot in the
+// record yet); the frames it lists are marked as listed and its record is refreshed.
+template <bool kAll, bool kFull>
+void SchedulerCore::write_request(size_t k, int32_t g, Cursor* cursors, int only) {
+  sync(k);
+  Request& r = reqs_[running_[k]];
+  const int64_t context_len = r.context_len();
+  if (context_len > INT32_MAX) throw std::overflow_error("context length does not fit the int32 routing table");
+  const int m = r.moe;
+  Cursor& cm = cursors[m];
+  const bool write_m = kAll || m == only;
+  const int32_t moe_row = cm.n_moe++;
+  int32_t moe_entry[4] = {g, int32_t(context_len - r.window), -1, r.window};
+  for (int32_t j = 0; j < r.nshards; ++j) {
+    Shard& s = r.shard(j);
+    const int inst = s.instance;
+    Cursor& ct = cursors[inst];
+    const bool write_t = kAll || inst == only;
+    const int32_t shard_idx = ct.n_shards++;
+    int32_t source = -1;
+    if (inst == m) {
+      moe_entry[2] = shard_idx;
+    } else {
+      source = ct.n_remote_in++;
+      const int32_t res_row = cm.n_remote_out++;
+      if (write_t) {
+        const int32_t q_recv[2] = {m, shard_idx}, res_send[3] = {shard_idx, m, res_row};
+        std::memcpy(ct.q_recv + 2 * size_t(source), q_recv, sizeof(q_recv));
+        std::memcpy(ct.res_send + 3 * size_t(source), res_send, sizeof(res_send));
+      }
+      if (write_m) {
+        const int32_t q_send[3] = {moe_row, inst, source}, res_recv[2] = {inst, moe_row};
+        std::memcpy(cm.q_send + 3 * size_t(res_row), q_send, sizeof(q_send));
+        std::memcpy(cm.res_recv + 2 * size_t(res_row), res_recv, sizeof(res_recv));
+      }
+    }
+    if (!write_t) continue;
+    const int32_t row[4] = {g, source, int32_t(s.tokens), s.slot};
+    std::memcpy(ct.shards + 4 * size_t(shard_idx), row, sizeof(row));
+    const int32_t n_frames = s.frames.size();
+    int32_t* update = ct.updates + 3 * size_t(ct.n_updates);
+    for (int32_t b = kFull ? 0 : s.emitted; b < n_frames; ++b, update += 3) {
+      update[0] = s.slot;
+      update[1] = b;
+      update[2] = s.frames[b];
+    }
+    ct.n_updates += n_frames - (kFull ? 0 : s.emitted);
+    s.emitted = n_frames;
+    if (n_frames > ct.max_blocks) ct.max_blocks = n_frames;
+  }
+  if (write_m) std::memcpy(cm.moe + 4 * size_t(moe_row), moe_entry, sizeof(moe_entry));
+  rec_[k] = make_rec(r);
 }
 
 // After the pass: every written table gets its longest shard's block count, and its instance's store state moves
