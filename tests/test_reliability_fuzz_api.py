@@ -266,3 +266,17 @@ def test_fuzzed_methods_paths_and_headers_never_5xx(served):
 
     fuzz()
     assert_still_serving(server, thread)
+
+
+@pytest.mark.parametrize("temperature", [5e-324, 1e-310, 2.2250738585072014e-308, 1e-6])
+def test_subnormal_temperature_is_served_greedily_and_does_not_kill_the_engine(served, temperature):
+    """Found by the fuzzing: logits / a subnormal temperature overflow to inf, which failed the whole iteration and
+    left the server FAILED. Temperatures that small are served as greedy."""
+    server, thread = served
+    rnd = random.Random()
+    prompt = [rnd.randrange(256) for _ in range(rnd.randint(3, 30))]
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 5, "temperature": temperature, "ignore_eos": True}
+    r = httpx.post(thread.url + "/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"}, timeout=60)
+    assert r.status_code == 200
+    assert r.json()["choices"][0]["text"] == ByteTokenizer().decode(greedy_generate(load_model("tiny"), prompt, 5))
+    assert server.loop.state.value == "ready"

@@ -60,22 +60,36 @@ def serve(
     log_level: str = "info",
     announce: Callable[[str], None] = print,
 ) -> None:
-    """Run the OpenAI-compatible server until SIGINT / SIGTERM."""
+    """Run the OpenAI-compatible server until SIGINT / SIGTERM. A model whose config or tokenizer is broken fails
+    here before anything is served; a cluster that cannot start (e.g. a corrupt or truncated checkpoint file) stops
+    the server and its error is raised from here, so `nanocp serve` exits naming the file."""
     shown = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
     url = f"http://{shown}:{port}"
     name = server_config.model_name
+    failure: list[Exception] = []
+
+    def on_ready() -> None:
+        announce(f"nanocp: cluster ready, accepting requests at {url}")
+
+    def build() -> Engine:
+        try:
+            return build_engine(engine_config, placement)
+        except Exception as e:
+            failure.append(e)
+            server.should_exit = True  # nothing will ever be served: stop rather than answer 503 forever
+            raise
+
+    app = create_app(server_config, build, on_ready)  # reads the model's config and tokenizer
+    server = make_server(app, host, port, log_level)
     announce(
         f"nanocp: serving {name!r} at {url} ({engine_config.decode_instances} decode instances, "
         f"{engine_config.backend} backend, policy {engine_config.policy}); /health turns 200 once the cluster is up"
     )
     announce("  try: " + curl_example(url, name, server_config.api_key is not None))
-
-    def on_ready() -> None:
-        announce(f"nanocp: cluster ready, accepting requests at {url}")
-
-    app = create_app(server_config, lambda: build_engine(engine_config, placement), on_ready)
     with _clean_exit_on_sigterm():
-        make_server(app, host, port, log_level).run()
+        server.run()
+    if failure:
+        raise failure[0]
 
 
 def deploy(

@@ -60,6 +60,9 @@ from .protocol import (
 from .streaming import TextStreamer
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+# Temperatures below this sample the argmax anyway (as in vLLM); dividing logits by a subnormal one overflows to inf
+# and would fail the whole decode iteration, so they are served greedily.
+GREEDY_BELOW_TEMPERATURE = 1e-5
 
 log = logging.getLogger("nanocp.api")
 
@@ -228,7 +231,7 @@ class OpenAIServer:
         try:
             return SamplingParams(
                 max_tokens=max_tokens,
-                temperature=req.temperature,
+                temperature=0.0 if 0.0 <= req.temperature < GREEDY_BELOW_TEMPERATURE else req.temperature,
                 top_p=req.top_p,
                 top_k=req.top_k,
                 seed=req.seed,
