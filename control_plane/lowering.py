@@ -21,17 +21,18 @@ batch order, so sender and receiver agree without exchanging anything.
 
 Block tables are incremental. Every shard holds a slot on its instance from the end of the step that created it
 until its request finishes or is preempted (the most recently freed slot first, else the lowest never used; slots
-are handed out after the step's releases, so slot numbers stay below the most shard rows a table of the instance
-ever had: max_moe_batch + max_q_recv for an instance within its limits, and below its frame count since a shard
-holds a frame). The instance keeps a block-table store [slots, blocks per shard]; `updates` lists only the frames
-added since the last table lowered for this instance, in shard order and block order within a shard (a new shard,
-also one in a reused slot, from block 0). The header's
-`iteration` is the table's sequence number and `base_seq` the sequence of the table it builds on (the last one
-lowered for this instance, -1 for none: an empty store); a consumer must apply a table only to a store whose last
-applied table is `base_seq`. A full snapshot (`full` = 1, `base_seq` = -1) lists every frame of every live shard
-and applies to any store: it serves a fresh or restarted instance. Both kinds bring the store to the same state,
-so the next incremental table builds on either. `num_steps` is the number of decode sub-steps every instance runs
-(lock-step: the MoE exchange is a barrier); `max_blocks` is the block count of the instance's longest shard.
+are handed out after the step's releases, so slot numbers stay below the most shards the instance held at the end
+of a step: at most max_moe_batch + max_q_recv for an instance within its limits, and at most its frame count since
+a shard holds a frame). The instance keeps a block-table store [slots, blocks per shard]; `updates` lists only the
+frames added since the last table lowered for this instance, in shard order and block order within a shard (a new
+shard, also one in a reused slot, from block 0). The header's `iteration` is the table's sequence number and
+`base_seq` the sequence of the table it builds on (the last one lowered for this instance, -1 for none: an empty
+store; lowering an iteration again gives a table that builds on the first and lists nothing new); a consumer must
+apply a table only to a store whose last applied table is `base_seq`. A full snapshot (`full` = 1, `base_seq` = -1)
+lists every frame of every live shard and applies to any store: it serves a fresh or restarted instance. Both kinds
+bring the store to the same state, so the next incremental table builds on either. `num_steps` is the number of
+decode sub-steps every instance runs (lock-step: the MoE exchange is a barrier); `max_blocks` is the block count of
+the instance's longest shard (the width a block table needs).
 """
 
 from __future__ import annotations
