@@ -51,17 +51,19 @@ struct Shard {
   int32_t emitted = 0;  // frames already listed in a table lowered for `instance`
   int64_t tail_room(int64_t page) const { return int64_t(frames.size()) * page - tokens; }
 };
-static_assert(sizeof(Shard) == 40, "a request's first shard and its growth state share one cache line");
+static_assert(sizeof(Shard) == 40, "a request's first shard and its binding share one cache line");
 
-// One request. The first cache line holds all the growth pass touches: the first shard (the only one for most
-// requests) inline, the MoE binding, this iteration's window and the point at which the decode budget runs out.
+// One request. The first cache line holds what a request's slow paths (a new page, a move, lowering its frames)
+// touch: the first shard (the only one for most requests) inline, the MoE binding, the window and the point at which
+// the decode budget runs out. While it runs, its tail shard's `tokens` and `window` are current only after
+// SchedulerCore::sync (its batch record holds them).
 struct alignas(64) Request {
   Shard first;             // shard 0 of the binding
   int32_t moe = -1;        // MoE instance (running only)
   int32_t moe_shard = -1;  // index of the shard on `moe`
   int32_t nshards = 0;     // live shards, in binding order: first, spill[0], spill[1], ...
   int32_t window = 1;      // running: decode steps of this iteration (tokens reserved on the tail shard)
-  int64_t due_at = 0;  // running: out of decode budget once steps_done_ reaches due_at (= max_new_tokens - 1 - decode_base)
+  int64_t due_at = 0;      // running: out of decode budget once steps_done_ reaches it (max_new - 1 - decode_base)
   // second line
   int8_t status = kFree;
   int32_t pos = -1;  // running: index in the batch arrays (kept current by compaction)
@@ -82,7 +84,7 @@ struct alignas(64) Request {
     return nshards ? total : 0;
   }
 };
-static_assert(sizeof(Shard) + 4 * sizeof(int32_t) + sizeof(int64_t) == 64, "growth state must fill one line");
+static_assert(sizeof(Shard) + 4 * sizeof(int32_t) + sizeof(int64_t) == 64, "the binding must fill one line");
 
 // A running request's growth and lowering state, in batch order (parallel to the batch). While the request runs,
 // its tail shard's token count and its window live here; SchedulerCore::sync copies them into the Request.
@@ -184,7 +186,7 @@ class SchedulerCore {
   }
   void remove_running(int32_t slot);
   size_t batch_pos(const Request& r) const { return size_t(r.pos); }  // a running request's index in the batch
-  void sync(size_t pos);                     // the record's tail tokens and window -> the request
+  void sync(size_t pos);  // batch record pos -> its request (tail tokens, window), before the request is read
   BatchRec make_rec(const Request& r) const;
 
   // one iteration

@@ -200,7 +200,8 @@ bool SchedulerCore::place_csps(int64_t context, int64_t window, int& moe) {
   std::partial_sort(members_.begin(), members_.begin() + parts, members_.end(), by_kv);
   const int64_t base = context / parts, extra = context % parts;
   moe = members_[parts - 1];
-  for (int64_t j = 0; j < parts; ++j) split_.emplace_back(members_[j], base + (j < extra ? 1 : 0) + (j == parts - 1 ? window : 0));
+  for (int64_t j = 0; j < parts; ++j)
+    split_.emplace_back(members_[j], base + (j < extra ? 1 : 0) + (j == parts - 1 ? window : 0));
   return can_allocate(moe);
 }
 
