@@ -7,7 +7,9 @@
 
 Both backends expose the same integer-handle core interface; this module maps request ids onto handles and wraps
 each iteration's result in an `IterationPlan`. A plan is a view of the core's state at its iteration: its lazy
-parts (batch, bindings, lowering) raise once the scheduler has stepped past it.
+parts (batch, bindings, lowering) raise once the scheduler has stepped past it. `step(num_steps=k)` plans k decode
+steps per request (multi-step). Lowering is stateful: `plan.tables` lists only block-table entries added since the
+previous tables (lowered once per plan and cached); `plan.full_tables()` gives full snapshots of the same iteration.
 """
 
 from __future__ import annotations
