@@ -17,7 +17,7 @@ import torch
 from nanocp import LLM, SamplingParams
 from nanocp.control_plane import ClusterSpec, CPBucketTable, GlobalScheduler, RoutingTables
 from nanocp.data_plane.block_store import BlockTableStore, StaleBlockTableError
-from nanocp.data_plane.cluster import ClusterConfig, InlineCluster, InstanceFailure, ThreadCluster
+from nanocp.data_plane.cluster import ClusterConfig, InlineCluster, InstanceFailure, ProcessCluster, ThreadCluster
 from nanocp.data_plane.instance import InstanceLimits, RowInput
 
 FORCE_CP = CPBucketTable((24, 10**9), (1, 4))  # prompts longer than 24 tokens are split over 4 instances
@@ -200,5 +200,31 @@ def test_clusters_send_full_snapshots_when_a_store_is_behind(cluster_type):
             blocks = -(-full.shards[:, 2] // spec.page_size)
             used = torch.arange(64)[None, :] < torch.from_numpy(blocks)[:, None]
             assert torch.equal(got[used], ref[used])
+    finally:
+        cluster.close()
+
+
+def test_process_instances_refuse_stale_tables_and_get_snapshots():
+    spec = ClusterSpec(1, 2, 256, 4)
+    cfg = ClusterConfig("tiny", 2, LIMITS, spec.frames_per_instance, spec.page_size, timeout_s=10.0)
+    cluster = ProcessCluster(cfg)
+    try:
+        plans = (p for p in random_plans(8, 40, spec) if p.batch)
+        plan = next(plans)
+        cluster.run_iteration(plan.tables, cluster_rows(plan, 2), full_tables=plan.full_tables)  # fresh: snapshots
+        next(plans).tables  # noqa: B018 - lowered but never run: the stores miss it
+        plan = next(plans)
+        with pytest.raises(InstanceFailure, match="builds on"):
+            cluster.run_iteration(plan.tables, cluster_rows(plan, 2))
+        plan = next(plans)
+        # A driver that wrongly believes both stores are current: the instances refuse, the snapshots go out.
+        cluster.feed.held = [int(RoutingTables.parse(t).base_seq) for t in plan.tables]
+        resyncs = cluster.resyncs
+        outputs = cluster.run_iteration(plan.tables, cluster_rows(plan, 2), full_tables=plan.full_tables)
+        assert cluster.resyncs == resyncs + 2
+        assert sorted(o.batch_index for o in outputs if o.step == 0) == list(range(len(plan.batch)))
+        plan = next(plans)  # and the next iteration builds on the snapshots incrementally
+        cluster.run_iteration(plan.tables, cluster_rows(plan, 2), full_tables=plan.full_tables)
+        assert cluster.resyncs == resyncs + 2
     finally:
         cluster.close()
