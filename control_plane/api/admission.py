@@ -29,13 +29,19 @@ class AdmissionQueue:
             self.pending += 1
             return True
 
-    def leave(self) -> None:
+    @property
+    def full(self) -> bool:
+        return self.pending >= self.max_pending
+
+    def leave(self, completed: bool = True) -> None:
+        """Free a slot; `completed` False for a request refused after admission (it says nothing of the rate)."""
         now = time.monotonic()
         with self._lock:
             if self.pending <= 0:
                 raise RuntimeError("AdmissionQueue.leave() without a matching try_enter()")
             self.pending -= 1
-            self._finishes.append(now)
+            if completed:
+                self._finishes.append(now)
             self._trim(now)
 
     def retry_after_s(self) -> int:

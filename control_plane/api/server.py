@@ -5,8 +5,9 @@
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions (SSE streaming or one JSON body), GET /v1/models,
 GET /health (200 only once the cluster is up), GET /metrics (Prometheus text). With an API key every endpoint
-but /health needs `Authorization: Bearer <key>`. A request passes: auth -> ready -> body size (413) -> JSON and
-field checks (400) -> admission (429 + Retry-After) -> engine validation (400) -> generation. A client that goes
+but /health needs `Authorization: Bearer <key>`. A request passes: auth -> ready -> admission (429 + Retry-After,
+before the body is read, so refusals stay cheap under overload) -> body size (413) -> JSON and field checks (400)
+-> engine validation (400) -> generation. A client that goes
 away has its request aborted, which frees its KV pages at once.
 
 Streamed text never runs ahead of a stop string (streaming.py), so the concatenated stream equals the
@@ -120,6 +121,7 @@ class OpenAIServer:
         app.add_exception_handler(APIError, self._on_api_error)
         app.add_exception_handler(StarletteHTTPException, self._on_http_error)
         app.add_exception_handler(Exception, self._on_unexpected_error)
+        app.add_middleware(_FullServerGate, server=self)
         app.get("/health")(self.health)
         protected = APIRouter(dependencies=[Depends(self._authorize)])
         protected.get("/v1/models")(self.models)
@@ -131,7 +133,7 @@ class OpenAIServer:
         return app
 
     async def _on_api_error(self, _request: Request, exc: APIError) -> JSONResponse:
-        if exc.status >= 400 and exc.status != 404:
+        if exc.status >= 400 and exc.status not in (404, 429):  # 429s are counted where they are raised
             self.metrics.observe_rejection(exc.status)
         return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
@@ -147,12 +149,20 @@ class OpenAIServer:
         return JSONResponse(err.body(), status_code=err.status)
 
     async def _authorize(self, request: Request) -> None:
+        if not self.key_ok(request.headers.get("authorization", "")):
+            raise errors.unauthorized()
+
+    def key_ok(self, authorization: str) -> bool:
+        """Does an Authorization header value carry the API key (always, without a key)?"""
         key = self.config.api_key
         if key is None:
-            return
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
-            raise errors.unauthorized()
+            return True
+        scheme, _, token = authorization.partition(" ")
+        return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), key.encode())
+
+    def too_many_requests(self) -> APIError:
+        self.metrics.observe_rejection(429)
+        return errors.too_many_requests(self.admission.retry_after_s(), self.admission.pending)
 
     def _require_ready(self) -> None:
         if self.loop.state is not LoopState.READY:
@@ -177,23 +187,43 @@ class OpenAIServer:
     # ---- generation endpoints -----------------------------------------------------------------------------
 
     async def completions(self, request: Request) -> Response:
+        return await self._admitted(request, self._prepare_completion)
+
+    async def chat_completions(self, request: Request) -> Response:
+        return await self._admitted(request, self._prepare_chat)
+
+    async def _admitted(self, request: Request, prepare) -> Response:
+        """ready -> admission -> `prepare` (body, checks, tokens) -> generation. The admission slot is taken before
+        the body is read or tokenized, so that refusing excess requests stays cheap under overload."""
         self._require_ready()
+        arrival = time.monotonic()
+        if not self.admission.try_enter():
+            raise self.too_many_requests()
+        self.metrics.set_admitted(self.admission.pending)
+        try:
+            kind, ids, params, stream, include_usage = await prepare(request)
+        except BaseException:
+            self.admission.leave(completed=False)
+            self.metrics.set_admitted(self.admission.pending)
+            raise
+        return await self._generate(request, arrival, kind, ids, params, stream, include_usage)
+
+    async def _prepare_completion(self, request: Request) -> tuple[str, list[int], SamplingParams, bool, bool]:
         req = parse_request(CompletionRequest, await self._read_body(request))
         self._check_model(req.model)
         prompt = req.single_prompt()
         ids = self.tokenizer.encode(prompt, add_special_tokens=True) if isinstance(prompt, str) else list(prompt)
         params = self._sampling_params(req, req.max_tokens, len(ids), COMPLETIONS_DEFAULT_MAX_TOKENS)
-        return await self._generate(request, "completion", ids, params, req.stream, req.include_usage)
+        return "completion", ids, params, req.stream, req.include_usage
 
-    async def chat_completions(self, request: Request) -> Response:
-        self._require_ready()
+    async def _prepare_chat(self, request: Request) -> tuple[str, list[int], SamplingParams, bool, bool]:
         req = parse_request(ChatCompletionRequest, await self._read_body(request))
         self._check_model(req.model)
         messages = [{"role": m.role, "content": m.text()} for m in req.messages]
         text = self.chat_template.render(messages, req.add_generation_prompt)
         ids = self.tokenizer.encode(text, add_special_tokens=False)
         params = self._sampling_params(req, req.requested_max_tokens(), len(ids), self.config.default_max_tokens)
-        return await self._generate(request, "chat", ids, params, req.stream, req.include_usage)
+        return "chat", ids, params, req.stream, req.include_usage
 
     async def _read_body(self, request: Request) -> bytes:
         limit = self.config.max_body_bytes
@@ -242,12 +272,16 @@ class OpenAIServer:
             raise errors.bad_request(str(e), "invalid_value") from None
 
     async def _generate(
-        self, request: Request, kind: str, ids: list[int], params: SamplingParams, stream: bool, include_usage: bool
+        self,
+        request: Request,
+        arrival: float,
+        kind: str,
+        ids: list[int],
+        params: SamplingParams,
+        stream: bool,
+        include_usage: bool,
     ) -> Response:
-        arrival = time.monotonic()
-        if not self.admission.try_enter():
-            raise errors.too_many_requests(self.admission.retry_after_s(), self.admission.pending)
-        self.metrics.set_admitted(self.admission.pending)
+        """Run an admitted request; its admission slot is freed when it leaves the server (_Cleanup)."""
         rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
         job = _Job(rid, kind, int(time.time()), len(ids), params, None, include_usage)
         cleanup = _Cleanup(self, job)
@@ -338,6 +372,33 @@ class OpenAIServer:
                     )
                 break
         yield "data: [DONE]\n\n"
+
+
+GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
+
+
+class _FullServerGate:
+    """Pure ASGI middleware: while every admission slot is taken, an authorized generation request gets its 429
+    here, before routing, body reading, parsing or tokenization. Refusing must stay cheap: an overloaded server
+    spends its CPU (and the GIL its engine thread needs) on the requests it has accepted."""
+
+    def __init__(self, app, server: OpenAIServer) -> None:
+        self.app, self.server = app, server
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["method"] == "POST" and scope["path"] in GENERATION_PATHS:
+            server = self.server
+            if server.admission.full and server.loop.state is LoopState.READY:
+                auth = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
+                if server.key_ok(auth.decode("latin-1")):
+                    err = server.too_many_requests()
+                    body = json.dumps(err.body()).encode()
+                    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+                    headers += [(k.lower().encode(), v.encode()) for k, v in (err.headers or {}).items()]
+                    await send({"type": "http.response.start", "status": err.status, "headers": headers})
+                    await send({"type": "http.response.body", "body": body})
+                    return
+        await self.app(scope, receive, send)
 
 
 class _Cleanup:
