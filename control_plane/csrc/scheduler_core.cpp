@@ -349,7 +349,13 @@ void SchedulerCore::finish_completed() {
 void SchedulerCore::rebalance_moe() {
   size_t keep = 0;
   int32_t widest = 0;
-  for (const MultiRef& e : multi_) {
+  for (size_t i = 0; i < multi_.size(); ++i) {
+    if (i + 8 < multi_.size()) {  // both lines of a request a few entries ahead
+      const char* ahead = reinterpret_cast<const char*>(&reqs_[multi_[i + 8].slot]);
+      __builtin_prefetch(ahead);
+      __builtin_prefetch(ahead + 64);
+    }
+    const MultiRef& e = multi_[i];
     const Request& r = reqs_[e.slot];
     if (r.status != kRunning || r.admit_seq != e.admit_seq) continue;
     multi_[keep++] = e;
@@ -364,10 +370,9 @@ void SchedulerCore::rebalance_moe() {
   multi_sorted_.resize(multi_.size());
   for (const MultiRef& e : multi_) multi_sorted_[multi_count_[reqs_[e.slot].nshards]++] = e;
 
-  for (const MultiRef& e : multi_sorted_) {
-    Request& r = reqs_[e.slot];
-    const size_t pos = batch_pos(r);
-    sync(pos);
+  for (size_t i = 0; i < multi_sorted_.size(); ++i) {
+    if (i + 4 < multi_sorted_.size()) __builtin_prefetch(reqs_[multi_sorted_[i + 4].slot].spill.data());
+    Request& r = reqs_[multi_sorted_[i].slot];
     const int old = r.moe;
     moe_batch_[old] -= 1;
     int best = old, best_shard = r.moe_shard;
@@ -379,10 +384,11 @@ void SchedulerCore::rebalance_moe() {
       }
     }
     moe_batch_[old] += 1;
-    if (best != old) {
-      unbind_moe(r);
-      bind_moe(r, best);
-    }
+    if (best == old) continue;
+    const size_t pos = batch_pos(r);
+    sync(pos);  // the old tail's tokens back into its shard before the tail moves
+    unbind_moe(r);
+    bind_moe(r, best);
     r.moe_shard = best_shard;
     rec_[pos] = make_rec(r);
   }

@@ -149,14 +149,15 @@ void SchedulerCore::write_request(size_t k, int32_t g, Cursor* cursors, int only
     if (!write_t) continue;
     const int32_t row[4] = {g, source, int32_t(s.tokens), s.slot};
     std::memcpy(ct.shards + 4 * size_t(shard_idx), row, sizeof(row));
-    const int32_t n_frames = s.frames.size();
+    const int32_t n_frames = s.frames.size(), first = kFull ? 0 : s.emitted, slot = s.slot;
+    const int32_t* frames = s.frames.data();  // locals: the stores below may alias the shard for the compiler
     int32_t* update = ct.updates + 3 * size_t(ct.n_updates);
-    for (int32_t b = kFull ? 0 : s.emitted; b < n_frames; ++b, update += 3) {
-      update[0] = s.slot;
+    for (int32_t b = first; b < n_frames; ++b, update += 3) {
+      update[0] = slot;
       update[1] = b;
-      update[2] = s.frames[b];
+      update[2] = frames[b];
     }
-    ct.n_updates += n_frames - (kFull ? 0 : s.emitted);
+    ct.n_updates += n_frames - first;
     s.emitted = n_frames;
     if (n_frames > ct.max_blocks) ct.max_blocks = n_frames;
   }
