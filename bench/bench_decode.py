@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> dict:
     timing_path.unlink(missing_ok=True)
     from nanocp.data_plane.timing import TimingLog
 
-    TimingLog(records=records).dump(timing_path)
+    TimingLog(records=list(records)).dump(timing_path)  # dump() empties the list it is given
     result = {
         "benchmark": "decode throughput, tiny model, CPU",
         "machine": {"cpus": torch.get_num_threads(), "python": platform.python_version(), "torch": torch.__version__},
