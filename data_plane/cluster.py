@@ -143,22 +143,40 @@ class _LocalPools:
         self.pools[instance].write_range(frames, start_slot, kv)
 
 
-class ThreadCluster(_LocalPools):
-    """One thread per instance, an in-process fabric between them."""
+class _InProcessCluster(_LocalPools):
+    """Instances of this process on one in-process fabric (the inline and the threaded cluster)."""
 
     incremental_tables = True  # run_iteration takes full_tables (see the module docstring)
 
-    def __init__(self, cfg: ClusterConfig) -> None:
+    def __init__(self, cfg: ClusterConfig, executor: ThreadPoolExecutor) -> None:
         self.cfg = cfg
         self.feed = TableFeed(cfg.num_instances)
         self.pools = allocate_pools(cfg, shared=False)
         fabrics = InProcessFabric.create(cfg.num_instances, num_flags=64)
-        self._executor = ThreadPoolExecutor(cfg.num_instances, thread_name_prefix="nanocp-instance")
-        # Buffer registration is collective: build every instance concurrently.
-        futures = [
-            self._executor.submit(build_instance, cfg, r, fabrics[r], self.pools[r]) for r in range(cfg.num_instances)
-        ]
+        # Buffer registration is collective (it ends in a barrier): build every instance concurrently.
+        futures = [executor.submit(build_instance, cfg, r, fabrics[r], self.pools[r]) for r in range(cfg.num_instances)]
         self.instances = [f.result() for f in futures]
+
+    def timing_records(self) -> list[PhaseRecord]:
+        records = [r for inst in self.instances for r in inst.timing.records]
+        for inst in self.instances:
+            inst.timing.records.clear()
+        return records
+
+    def dead_instances(self) -> list[int]:
+        return []  # instances of this process do not die alone: a failure here is an error, not a lost instance
+
+    def close(self) -> None:
+        for inst in self.instances:
+            inst.fabric.close()
+
+
+class ThreadCluster(_InProcessCluster):
+    """One thread per instance, an in-process fabric between them."""
+
+    def __init__(self, cfg: ClusterConfig) -> None:
+        self._executor = ThreadPoolExecutor(cfg.num_instances, thread_name_prefix="nanocp-instance")
+        super().__init__(cfg, self._executor)
 
     def run_iteration(
         self,
@@ -199,38 +217,20 @@ class ThreadCluster(_LocalPools):
             self.feed.held_now(r, table)
         return outputs
 
-    def timing_records(self) -> list[PhaseRecord]:
-        records = [r for inst in self.instances for r in inst.timing.records]
-        for inst in self.instances:
-            inst.timing.records.clear()
-        return records
-
-    def dead_instances(self) -> list[int]:
-        return []  # threads do not die on their own: a failure here is an error, not a lost instance
-
     def close(self) -> None:
-        for inst in self.instances:
-            inst.fabric.close()
+        super().close()
         self._executor.shutdown(wait=True)
 
 
-class InlineCluster(_LocalPools):
+class InlineCluster(_InProcessCluster):
     """Every instance in this thread, driven cooperatively: each instance's iteration is a generator that yields at
     every exchange; the driver resumes whichever instance's wait is satisfied. Same instance code and fabric as
     the threaded cluster, without thread switches: the fastest way to run a local cluster on a few CPU cores.
     A round in which no instance can move is a deadlock and raises at once (it never hangs)."""
 
-    incremental_tables = True  # run_iteration takes full_tables (see the module docstring)
-
     def __init__(self, cfg: ClusterConfig) -> None:
-        self.cfg = cfg
-        self.feed = TableFeed(cfg.num_instances)
-        self.pools = allocate_pools(cfg, shared=False)
-        fabrics = InProcessFabric.create(cfg.num_instances, num_flags=64)
-        # Registration is collective (it ends in a barrier), so build the instances on threads once.
-        with ThreadPoolExecutor(cfg.num_instances) as pool:
-            futures = [pool.submit(build_instance, cfg, r, fabrics[r], self.pools[r]) for r in range(cfg.num_instances)]
-            self.instances = [f.result() for f in futures]
+        with ThreadPoolExecutor(cfg.num_instances) as builders:  # threads only to build (registration is collective)
+            super().__init__(cfg, builders)
 
     def run_iteration(
         self,
@@ -275,19 +275,6 @@ class InlineCluster(_LocalPools):
         for r, table in enumerate(sent):
             self.feed.held_now(r, table)
         return outputs
-
-    def timing_records(self) -> list[PhaseRecord]:
-        records = [r for inst in self.instances for r in inst.timing.records]
-        for inst in self.instances:
-            inst.timing.records.clear()
-        return records
-
-    def dead_instances(self) -> list[int]:
-        return []  # one thread runs every instance: a failure here is an error, not a lost instance
-
-    def close(self) -> None:
-        for inst in self.instances:
-            inst.fabric.close()
 
 
 def _process_main(cfg: ClusterConfig, rank: int, fabric_info, pool_kv: torch.Tensor, conn) -> None:
