@@ -28,16 +28,6 @@ from nanocp.models import (
     prefill_forward,
 )
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread():
-    """Small ops on a shared 2-core machine: one intra-op thread avoids oversubscription stalls."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 MODEL = load_model("tiny")
 CONFIG = MODEL.config
 DQK, DV = CONFIG.kv_cache_dim, CONFIG.kv_lora_rank

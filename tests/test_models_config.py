@@ -11,16 +11,6 @@ import torch
 
 from nanocp.models import ConfigError, ModelConfig, RotaryEmbedding, YarnScaling, softmax_scale
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread():
-    """Small ops on a shared 2-core machine: one intra-op thread avoids oversubscription stalls."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 # DeepSeek-V3's published config.json, minus its fp8 quantization_config.
 DEEPSEEK_V3_CONFIG = {
     "architectures": ["DeepseekV3ForCausalLM"],

@@ -24,16 +24,6 @@ from nanocp.models import (
     save_tiny_checkpoint,
 )
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread():
-    """Small ops on a shared 2-core machine: one intra-op thread avoids oversubscription stalls."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 transformers = pytest.importorskip("transformers")
 logging.getLogger("transformers").setLevel(logging.ERROR)
 # HF builds a zero-width shared-expert MLP when n_shared_experts == 0

@@ -24,16 +24,6 @@ from nanocp.models import (
     save_tiny_checkpoint,
 )
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread():
-    """Small ops on a shared 2-core machine: one intra-op thread avoids oversubscription stalls."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 # Smaller than tiny so that writing checkpoints stays cheap; still 1 dense + 2 MoE layers, 16 experts.
 CONFIG = dataclasses.replace(ModelConfig.tiny(), hidden_size=64, intermediate_size=96, moe_intermediate_size=32)
 SEED = 7

@@ -20,16 +20,6 @@ from nanocp.models import (
     shared_expert,
 )
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread():
-    """Small ops on a shared 2-core machine: one intra-op thread avoids oversubscription stalls."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 MODEL = load_model("tiny")
 CONFIG = MODEL.config
 MOE_LAYER = MODEL.layers[CONFIG.first_k_dense_replace]

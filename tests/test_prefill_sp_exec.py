@@ -18,14 +18,6 @@ CAPACITY = 192
 ATOL = 2e-5
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def executor():
     return SpPrefillExecutor(MODEL, NUM_INSTANCES, CAPACITY)

@@ -30,14 +30,6 @@ def synthetic_models() -> list[PrefillLatencyModel]:
     return [PrefillLatencyModel("ring", ring), PrefillLatencyModel("ulysses", ulysses)]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def random_destination(rng: random.Random, n: int, free: list[list[int]]) -> KVDestination:
     """Split n positions over 1-3 decode instances (random order), frames taken from each instance's free list."""
     k = rng.randint(1, min(DECODE, n))

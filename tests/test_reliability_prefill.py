@@ -23,14 +23,6 @@ MODEL = load_model("tiny")
 PAGE, FRAMES, DECODE = 8, 200, 3
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def sp_friendly_models() -> list[PrefillLatencyModel]:
     """Eq. 1 models in which SP pays off for a few hundred tokens, so plans chunk and use wide groups."""
     ring = {s: LatencyCoeffs(1e-3, 1e-4 / s, 0.8e-6 / s, 0.5e-6 / s) for s in (1, 2, 4)}
