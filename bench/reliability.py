@@ -32,6 +32,7 @@ import signal
 import string
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections import Counter
@@ -194,6 +195,7 @@ class Outcome:
     error: str = ""  # an SSE error event, a transport error, an unexpected body
     retry_after: str | None = None
     cancelled: bool = False  # the client went away on purpose
+    client_delay_s: float = 0.0  # how late the client sent it (open loop: behind its scheduled arrival)
 
 
 def random_prompt(rng: random.Random, n: int) -> str:
@@ -206,7 +208,6 @@ def workload_body(rng: random.Random, prompt_len: tuple[int, int], max_tokens: t
         "prompt": random_prompt(rng, rng.randint(*prompt_len)),
         "max_tokens": rng.randint(*max_tokens),
         "ignore_eos": True,
-        "stream": True,
     }
 
 
@@ -270,6 +271,78 @@ def p99_ms(values: list[float]) -> float | None:
     return float(np.percentile(np.asarray(values) * 1000.0, 99)) if values else None
 
 
+class _StaleConnection(ConnectionError):
+    """A kept-alive connection the server had closed: nothing was answered on it."""
+
+
+class RawHttpClient:
+    """A minimal keep-alive HTTP/1.1 client for the load generator (non-streamed POSTs with JSON bodies). httpx
+    spends about a millisecond of CPU per request, too much to offer 10x the sustainable rate from the two cores
+    the server also runs on; this one parses only the status line, the headers and a Content-Length body."""
+
+    def __init__(self, url: str) -> None:
+        host, _, port = url.removeprefix("http://").partition(":")
+        self.host, self.port = host, int(port)
+        self._idle: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
+
+    async def post(self, path: str, body: bytes) -> tuple[int, dict[str, str], bytes]:
+        if self._idle:
+            try:
+                return await self._exchange(self._idle.pop(), path, body)
+            except _StaleConnection:  # the server closed it while idle (keep-alive timeout): once more, afresh
+                pass
+        return await self._exchange(await asyncio.open_connection(self.host, self.port), path, body)
+
+    async def _exchange(self, conn, path: str, body: bytes) -> tuple[int, dict[str, str], bytes]:
+        reader, writer = conn
+        try:
+            head = f"POST {path} HTTP/1.1\r\nHost: {self.host}\r\nContent-Type: application/json\r\n"
+            writer.write(f"{head}Content-Length: {len(body)}\r\n\r\n".encode() + body)
+            await writer.drain()
+            status_line = await reader.readline()
+            if not status_line:
+                raise _StaleConnection()
+            status = int(status_line.split(b" ", 2)[1])
+            headers = {}
+            while (line := await reader.readline()) not in (b"\r\n", b""):
+                name, _, value = line.decode("latin-1").partition(":")
+                headers[name.strip().lower()] = value.strip()
+            data = await reader.readexactly(int(headers.get("content-length", "0")))
+        except ConnectionResetError as e:
+            writer.close()
+            raise _StaleConnection() from e
+        except BaseException:
+            writer.close()
+            raise
+        if headers.get("connection", "").lower() == "close":
+            writer.close()
+        else:
+            self._idle.append((reader, writer))
+        return status, headers, data
+
+    def close(self) -> None:
+        for _, writer in self._idle:
+            writer.close()
+        self._idle.clear()
+
+
+async def send_raw(client: RawHttpClient, body: dict, outcome: Outcome) -> None:
+    """One non-streamed completion through the raw client; fills `outcome`."""
+    start = time.monotonic()
+    try:
+        status, headers, data = await client.post("/v1/completions", json.dumps(body).encode())
+    except (OSError, ValueError, IndexError, asyncio.IncompleteReadError) as e:
+        outcome.error = f"{type(e).__name__}: {e}"
+        return
+    outcome.status, outcome.retry_after = status, headers.get("retry-after")
+    if status != 200:
+        outcome.error = "" if status == 429 else data[:300].decode(errors="replace")
+        return
+    choice = json.loads(data)["choices"][0]
+    outcome.text, outcome.finish_reason = choice["text"], choice["finish_reason"]
+    outcome.latency_s = time.monotonic() - start
+
+
 # ---- sustainable rate and overload ---------------------------------------------------------------------------
 
 
@@ -285,6 +358,7 @@ class OverloadConfig:
     prompt_len: tuple[int, int] = (8, 96)
     max_tokens: tuple[int, int] = (4, 24)
     max_pending: int = 32  # the server's admission bound (--max-pending-requests)
+    client_cap: int = 256  # the client's requests in flight at most
     seed: int = 0
 
 
@@ -292,18 +366,19 @@ async def measure_sustainable(url: str, cfg: OverloadConfig) -> dict:
     """Completed requests per second of a saturated server (closed loop, `calibrate_concurrency` clients)."""
     rng = random.Random(cfg.seed)
     outcomes: list[Outcome] = []
-    async with new_client() as client:
-        end = time.monotonic() + cfg.calibrate_s
+    client = RawHttpClient(url)
+    end = time.monotonic() + cfg.calibrate_s
 
-        async def worker() -> None:
-            while time.monotonic() < end:
-                o = Outcome("calibrate", time.monotonic())
-                await send(client, url, "/v1/completions", workload_body(rng, cfg.prompt_len, cfg.max_tokens), o)
-                outcomes.append(o)
+    async def worker() -> None:
+        while time.monotonic() < end:
+            o = Outcome("calibrate", time.monotonic())
+            await send_raw(client, workload_body(rng, cfg.prompt_len, cfg.max_tokens), o)
+            outcomes.append(o)
 
-        began = time.monotonic()
-        await asyncio.gather(*(worker() for _ in range(cfg.calibrate_concurrency)))
-        elapsed = time.monotonic() - began
+    began = time.monotonic()
+    await asyncio.gather(*(worker() for _ in range(cfg.calibrate_concurrency)))
+    elapsed = time.monotonic() - began
+    client.close()
     ok = [o for o in outcomes if o.status == 200 and not o.error]
     return {
         "concurrency": cfg.calibrate_concurrency,
@@ -333,16 +408,24 @@ async def open_loop(url: str, cfg: OverloadConfig, rate: float) -> list[Outcome]
                 break
             plan.append((t, phase))
     outcomes = []
-    async with new_client() as client:
-        t0 = time.monotonic()
+    # A cap on the client's requests in flight, so that a slow moment of the shared machine cannot snowball into
+    # thousands of open connections. A request that waits for the cap is sent late; the wait is recorded
+    # (client_delay_s) and not counted in its latency.
+    cap = asyncio.Semaphore(cfg.client_cap)
+    client = RawHttpClient(url)
+    t0 = time.monotonic()
 
-        async def one(at: float, phase: str) -> None:
-            await asyncio.sleep(max(0.0, t0 + at - time.monotonic()))
-            o = Outcome(phase, time.monotonic())
+    async def one(at: float, phase: str) -> None:
+        await asyncio.sleep(max(0.0, t0 + at - time.monotonic()))
+        async with cap:
+            o = Outcome(phase, time.monotonic(), client_delay_s=time.monotonic() - (t0 + at))
             outcomes.append(o)
-            await send(client, url, "/v1/completions", workload_body(rng, cfg.prompt_len, cfg.max_tokens), o)
+            await send_raw(client, workload_body(rng, cfg.prompt_len, cfg.max_tokens), o)
 
+    try:
         await asyncio.gather(*(one(at, phase) for at, phase in plan))
+    finally:
+        client.close()
     return outcomes
 
 
@@ -381,6 +464,8 @@ def summarize_overload(outcomes: list[Outcome], t0: float, cfg: OverloadConfig) 
         "accepted_failed": sum(1 for o in outcomes if o.status == 200 and (o.error or o.finish_reason != "length")),
         "error_samples": sorted({o.error for o in outcomes if o.error and o.status != 429})[:5],
         "retry_after_missing": sum(1 for o in rejected if not (o.retry_after or "").isdigit()),
+        "client_delay_p99_ms": p99_ms([o.client_delay_s for o in outcomes]),
+        "client_late_over_1s": sum(1 for o in outcomes if o.client_delay_s > 1.0),
         "retry_after_values_s": sorted({int(o.retry_after) for o in rejected if (o.retry_after or "").isdigit()}),
     }
 
@@ -807,7 +892,9 @@ def markdown(doc: dict) -> str:
             f"Server RSS: {r['baseline_server']:.0f} MB before, peak {r['peak_server']:.0f} MB "
             f"(burst {r['peak_server_during_burst']:.0f} MB), {r['end_server']:.0f} MB at the end; process tree "
             f"peak {r['peak_tree']:.0f} MB. The last request accepted in the burst finished {o['settle_s']:.1f} s "
-            f"after it ended (after_settled: arrivals from then on); /health {o['health_after']}.",
+            f"after it ended (after_settled: arrivals from then on); /health {o['health_after']}. Client: at most "
+            f"{c['client_cap']} requests in flight; p99 send delay behind the schedule "
+            f"{_fmt(o['client_delay_p99_ms'], 0)} ms ({o['client_late_over_1s']} requests over 1 s late).",
             "",
         ]
     if "soak" in doc:
@@ -845,11 +932,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-pending", type=int, default=32)
     p.add_argument("--soak-requests", type=int, default=3000)
     p.add_argument("--soak-concurrency", type=int, default=24)
+    p.add_argument("--log-dir", default=None, help="where the served processes' logs go (default: a temp dir)")
     args = p.parse_args(argv)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    log_dir = out.parent / "reliability_logs"
-    log_dir.mkdir(exist_ok=True)
+    log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="nanocp-reliability-"))
+    log_dir.mkdir(parents=True, exist_ok=True)
+    print(f"server logs in {log_dir}", file=sys.stderr)
     doc: dict = {
         "note": "Measured on this machine (shared 2-core CPU, tiny model): CPU figures, not GPU latencies.",
         "command": "python -m nanocp.bench.reliability " + " ".join(argv if argv is not None else sys.argv[1:]),

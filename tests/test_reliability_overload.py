@@ -10,6 +10,7 @@ import random
 import time
 from collections import Counter
 
+import httpx
 import pytest
 
 from nanocp.bench.reliability import (
@@ -125,3 +126,28 @@ def test_soak_of_a_thousand_requests(tmp_path):
     assert not any(doc["gauges_after"].values()), doc["gauges_after"]  # every KV page free, nothing waiting
     assert doc["rss_mb"]["growth_server"] < 100, doc["rss_mb"]
     assert doc["health_after"] == 200
+
+
+def test_a_full_server_refuses_before_reading_the_body():
+    """While every slot is taken, even an unparsable body gets the 429 (the refusal costs no parsing), counted in
+    the rejection metric; the 429 comes with an OpenAI rate-limit error."""
+    server = in_process_server(max_pending=1)
+    with ServerThread(server.app) as thread:
+        body = {"model": "tiny", "prompt": [5, 6], "max_tokens": 4000, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", thread.url + "/v1/completions", json=body, timeout=60) as held:
+            lines = held.iter_lines()  # kept: a dropped iterator closes the stream
+            assert held.status_code == 200 and next(lines).startswith("data:")
+            for content in (b"{not json", b'{"model": "tiny", "prompt": "x"}'):
+                r = httpx.post(thread.url + "/v1/completions", content=content, timeout=30)
+                assert r.status_code == 429 and r.headers["retry-after"].isdigit()
+                assert r.json()["error"]["type"] == "rate_limit_error"
+            metrics = httpx.get(thread.url + "/metrics").text
+            assert 'nanocp:request_rejected_total{model_name="tiny",status="429"} 2.0' in metrics
+            assert 'nanocp:num_requests_admitted{model_name="tiny"} 1.0' in metrics
+        for _ in range(200):
+            if server.admission.pending == 0:
+                break
+            time.sleep(0.05)
+        r = httpx.post(thread.url + "/v1/completions", content=b"{not json", timeout=30)
+        assert r.status_code == 400  # with a free slot the same body is parsed and refused as bad input
+        assert_nothing_left(server)

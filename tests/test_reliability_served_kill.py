@@ -44,7 +44,7 @@ def test_killed_instance_under_live_streams_every_client_gets_its_complete_answe
 
 
 def run_and_kill(server: OpenAIServer, thread: ServerThread, model, rnd: random.Random) -> None:
-    n_tokens = 40
+    n_tokens = 32
     prompts = [[rnd.randrange(256) for _ in range(rnd.randint(10, 60))] for _ in range(8)]
     expected = [TOK.decode(greedy_generate(model, p, n_tokens)) for p in prompts]
     bodies = [dict(model="tiny", prompt=p, max_tokens=n_tokens, temperature=0, ignore_eos=True) for p in prompts]

@@ -7,8 +7,8 @@ Endpoints: POST /v1/completions, POST /v1/chat/completions (SSE streaming or one
 GET /health (200 only once the cluster is up), GET /metrics (Prometheus text). With an API key every endpoint
 but /health needs `Authorization: Bearer <key>`. A request passes: auth -> ready -> admission (429 + Retry-After,
 before the body is read, so refusals stay cheap under overload) -> body size (413) -> JSON and field checks (400)
--> engine validation (400) -> generation. A client that goes
-away has its request aborted, which frees its KV pages at once.
+-> engine validation (400) -> generation. A client that goes away has its request aborted, which frees its KV
+pages at once.
 
 Streamed text never runs ahead of a stop string (streaming.py), so the concatenated stream equals the
 non-streamed text.
