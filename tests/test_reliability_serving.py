@@ -12,10 +12,12 @@ import time
 
 import httpx
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from nanocp.control_plane import _core
 from nanocp.control_plane.api.local import ServerThread, free_port
-from nanocp.control_plane.api.server import OpenAIServer, ServerConfig
+from nanocp.control_plane.api.server import OpenAIServer, ServerConfig, _sse_line
 from nanocp.data_plane.cluster import InstanceFailure
 from nanocp.engine import Engine, EngineConfig
 from nanocp.models import greedy_generate, load_model
@@ -199,3 +201,12 @@ def test_unexpected_handler_error_is_an_openai_style_500_and_the_server_keeps_se
         assert server.admission.pending == 0
         r = httpx.post(thread.url + "/v1/completions", json=body | {"prompt": "fine"}, timeout=60)
         assert r.status_code == 200
+
+
+@given(st.text())
+def test_sse_events_stay_one_line_for_splitlines_readers(text):
+    """Found by the soak: generated text with U+0085 / U+2028 / U+2029 split an event for clients that read SSE
+    with str.splitlines() (httpx's aiter_lines); every event must stay one line and round-trip."""
+    line = _sse_line({"choices": [{"text": text}]})
+    assert line.endswith("\n\n") and line.splitlines() == [line[:-2], ""]
+    assert json.loads(line.removeprefix("data: "))["choices"][0]["text"] == text

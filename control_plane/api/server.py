@@ -439,8 +439,15 @@ def _incomplete(rid: str, output) -> APIError:
     return errors.unavailable(f"request {rid} could not be completed: {output.error or output.finish_reason}")
 
 
+# Characters JSON leaves raw that str.splitlines() (httpx's iter_lines, many SSE readers) takes for line ends.
+_LINE_BREAKS_JSON_KEEPS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
 def _sse_line(body: dict) -> str:
-    return f"data: {json.dumps(body, ensure_ascii=False, separators=(',', ':'))}\n\n"
+    """One SSE event. Generated text may hold U+0085 / U+2028 / U+2029: they are escaped, so that a client that splits
+    the stream with str.splitlines() still sees one event per line (JSON control characters are escaped anyway)."""
+    data = json.dumps(body, ensure_ascii=False, separators=(",", ":")).translate(_LINE_BREAKS_JSON_KEEPS)
+    return f"data: {data}\n\n"
 
 
 async def _wait_disconnect(request: Request) -> None:
