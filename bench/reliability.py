@@ -454,9 +454,21 @@ def summarize_overload(outcomes: list[Outcome], t0: float, cfg: OverloadConfig) 
             "p50_latency_ms": float(np.median(done) * 1000) if done else None,
             "p99_latency_ms": p99_ms(done),
         }
+    windows = []  # latency over time, by the second a request was sent (10 s windows)
+    for start in np.arange(0.0, cfg.before_s + cfg.burst_s + cfg.after_s, 10.0):
+        group = [o for o in outcomes if start <= o.sent - t0 < start + 10.0]
+        done = [o.latency_s for o in group if o.status == 200 and not o.error and o.latency_s is not None]
+        windows.append({
+            "from_s": float(start),
+            "accepted": len(done),
+            "rejected_429": sum(1 for o in group if o.status == 429),
+            "p50_latency_ms": float(np.median(done) * 1000) if done else None,
+            "p99_latency_ms": p99_ms(done),
+        })  # fmt: skip
     rejected = [o for o in outcomes if o.status == 429]
     return {
         "phases": phases,
+        "windows": windows,
         "settle_s": burst_done - burst_end,  # burst end -> last request accepted during the burst finished
         "server_errors_5xx": sum(1 for o in outcomes if o.status is not None and o.status >= 500),
         "other_4xx": sum(1 for o in outcomes if o.status is not None and 400 <= o.status < 500 and o.status != 429),
@@ -882,6 +894,15 @@ def markdown(doc: dict) -> str:
             lines.append(
                 f"| {name} | {ph['sent']} | {ph['accepted']} | {ph['completed']} | {ph['rejected_429']} | "
                 f"{_fmt(ph['p50_latency_ms'], 0)} ms | {_fmt(ph['p99_latency_ms'], 0)} ms |"
+            )
+        burst = (c["before_s"], c["before_s"] + c["burst_s"])
+        lines += ["", "Over time (by send time; the burst is marked):", "", "| sent at | accepted | 429 | p50 | p99 |"]
+        lines += ["|---|---|---|---|---|"]
+        for w in o["windows"]:
+            mark = " (burst)" if burst[0] <= w["from_s"] < burst[1] else ""
+            lines.append(
+                f"| {w['from_s']:.0f}-{w['from_s'] + 10:.0f} s{mark} | {w['accepted']} | {w['rejected_429']} | "
+                f"{_fmt(w['p50_latency_ms'], 0)} ms | {_fmt(w['p99_latency_ms'], 0)} ms |"
             )
         r = o["rss_mb"]
         lines += [
