@@ -14,6 +14,7 @@ import hmac
 import os
 import socket
 import struct
+import threading
 
 from nanocp.comm.metadata_channel import MetadataAuthError
 
@@ -83,3 +84,18 @@ def client_handshake(sock: socket.socket, token: bytes) -> None:
         raise MetadataAuthError(f"authentication failed, the peer closed the connection (wrong token?): {exc}") from exc
     if not hmac.compare_digest(server_mac, _mac(token, b"server", client_nonce, server_nonce)):
         raise MetadataAuthError("the peer failed to prove the cluster token")
+
+
+def accept_loop(listener, closed, serve, threads: list) -> None:
+    """Accept connections on `listener` (a socket with a short timeout) until `closed` is set; each connection is
+    served by `serve(conn)` on its own daemon thread, appended to `threads`."""
+    while not closed.is_set():
+        try:
+            conn, _ = listener.accept()
+        except TimeoutError:
+            continue
+        except OSError:
+            return
+        worker = threading.Thread(target=serve, args=(conn,), daemon=True)
+        threads.append(worker)
+        worker.start()

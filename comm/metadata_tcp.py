@@ -52,16 +52,7 @@ class TcpMetadataReceiver(MetadataReceiver):
         self._threads[0].start()
 
     def _accept_loop(self) -> None:
-        while not self._closed.is_set():
-            try:
-                conn, _ = self._listener.accept()
-            except TimeoutError:
-                continue
-            except OSError:
-                return
-            worker = threading.Thread(target=self._serve, args=(conn,), daemon=True)
-            self._threads.append(worker)
-            worker.start()
+        auth.accept_loop(self._listener, self._closed, self._serve, self._threads)
 
     def _serve(self, conn: socket.socket) -> None:
         with self._lock:
