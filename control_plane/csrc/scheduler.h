@@ -3,10 +3,13 @@
 // Same decisions as the reference, cheaper bookkeeping:
 //  - requests live in a slot pool (flat vector), handles map to slots once per API call;
 //  - decode_steps of running requests is implicit (offset + decode steps of the finished iterations);
-//  - the growth pass and lowering run over dense per-batch records (BatchRec) and touch a request itself only
-//    when it needs a page, moves, finishes or has frames to list: the records hold the running requests' tail
-//    tokens and windows (copied into the requests before anything else reads them);
-//  - requests due to finish next step are collected while the growth pass visits them;
+//  - growth is implicit: a running request's tail tokens are its record's offset plus the growth clock (decode steps
+//    applied so far), so a step moves the clock and the per-instance KV sums in O(instances) and visits only the
+//    requests with an event: a page filling (a calendar keyed by the clock value at which the tail page is full) or
+//    the decode budget running out (a min-heap on due_at). A step whose events might not fit (an instance short of
+//    pages: growth elsewhere, preemption) or a policy with KV groups (medha) falls back to the plain pass over the batch;
+//  - lowering runs over the dense per-batch records (BatchRec) and touches a request itself only when it moves, has
+//    several shards or frames to list;
 //  - only multi-shard requests take part in MoE rebalancing, ordered by a stable counting sort;
 //  - every shard keeps its frames contiguous and a count of those already lowered, so lowering writes only the
 //    new block-table entries, into pooled output buffers; per-instance counters size every section up front.
@@ -89,13 +92,14 @@ static_assert(sizeof(Shard) + 4 * sizeof(int32_t) + sizeof(int64_t) == 64, "the 
 // A running request's growth and lowering state, in batch order (parallel to the batch). While the request runs,
 // its tail shard's token count and its window live here; SchedulerCore::sync copies them into the Request.
 struct BatchRec {
-  int64_t tokens = 0;      // tokens of the tail shard (on the MoE instance)
+  int64_t tokens_off = 0;  // tokens of the tail shard (on the MoE instance) minus the growth clock
   int64_t due_at = 0;      // copy of Request::due_at
   int32_t blocks = 0;      // frames of the tail shard
   int32_t moe = -1;        // copy of Request::moe
   int32_t slot = -1;       // the tail shard's block-table slot (-1: not handed out yet)
-  int32_t window = 1;      // decode steps of this iteration
-  int32_t lower_fast = 0;  // one shard, every frame listed, slot known: lowering needs nothing else
+  int32_t window = 1;      // decode steps of the iteration window_at (other iterations: that growth's num_steps)
+  int32_t window_at = -1;  // low 32 bits of the iteration whose growth set `window`
+  int8_t lower_fast = 0;   // one shard, every frame listed, slot known: lowering needs nothing else
 };
 static_assert(sizeof(BatchRec) == 40, "dense batch records");
 
@@ -171,6 +175,23 @@ class SchedulerCore {
     int64_t admit_seq;
     int32_t slot;
   };
+  struct PageDue {  // growth calendar: the request's tail page is full once the growth clock passes `clock`
+    int64_t clock;
+    int64_t uid;
+    int32_t slot;
+  };
+  struct BudgetDue {  // the request runs out of decode budget once the growth clock reaches due_at
+    int64_t due_at;
+    int64_t uid;
+    int32_t slot;
+    bool operator>(const BudgetDue& o) const { return due_at > o.due_at; }
+  };
+  struct Event {  // a running request the growth pass must visit, by batch position
+    int32_t pos;
+    int32_t slot;
+    bool operator<(const Event& o) const { return pos < o.pos; }
+    bool operator==(const Event& o) const { return pos == o.pos; }
+  };
   struct Cursor;  // per-instance write cursor while lowering
 
   // requests
@@ -184,16 +205,32 @@ class SchedulerCore {
   void prefetch_request(size_t k) const {
     if (k + kFar < running_.size() && running_[k + kFar] >= 0) __builtin_prefetch(&reqs_[running_[k + kFar]]);
   }
+  void prefetch_lines(int32_t slot) const {  // both lines of a request
+    const char* at = reinterpret_cast<const char*>(&reqs_[slot]);
+    __builtin_prefetch(at);
+    __builtin_prefetch(at + 64);
+  }
   void remove_running(int32_t slot);
   size_t batch_pos(const Request& r) const { return size_t(r.pos); }  // a running request's index in the batch
   void sync(size_t pos);  // batch record pos -> its request (tail tokens, window), before the request is read
   BatchRec make_rec(const Request& r) const;
+  int64_t rec_tokens(const BatchRec& b) const { return b.tokens_off + growth_clock_; }
+  int32_t rec_window(const BatchRec& b) const { return b.window_at == int32_t(grow_iter_) ? b.window : grow_steps_; }
+  // growth calendar (policies without KV groups)
+  int64_t full_at(const BatchRec& b) const { return int64_t(b.blocks) * shape_.page_size - b.tokens_off; }
+  void track(size_t pos);  // enter the record's page-full clock (and, with `budget`, its due_at) in the calendars
+  void track_budget(size_t pos);
+  bool collect_events(int64_t done, int64_t steps_after);
+  bool events_fit(int64_t done, int64_t steps);
 
   // one iteration
   void finish_completed();
   void finish_slot(int32_t slot);
   void rebalance_moe();
   void grow_all();
+  void grow_events(int64_t done, int64_t steps);
+  void grow_scan(int64_t done, int64_t steps);
+  bool grow_one(size_t k, int64_t done, int64_t steps);  // false: the batch shrank under it (preemption)
   bool grow_request(size_t pos, int64_t n);
   bool grow_slow(int32_t slot, int64_t n);
   int growth_target(const Request& r, int64_t n) const;
@@ -270,6 +307,16 @@ class SchedulerCore {
   int64_t iteration_ = -1;
   int64_t num_steps_ = 1;   // decode steps of the current iteration
   int64_t steps_done_ = 0;  // decode steps of the completed step() calls, summed
+  int64_t growth_clock_ = 0;  // decode steps whose growth the records hold (steps_done_, + num_steps_ after growth)
+  int64_t grow_iter_ = -1;    // iteration of the last growth pass
+  int32_t grow_steps_ = 1;    // its num_steps: the window of every record it did not visit
+
+  // growth calendar (empty under medha): page_due_[c % size] holds the requests whose tail page fills at clock c
+  bool calendar_ = false;
+  std::vector<std::vector<PageDue>> page_due_;
+  std::vector<BudgetDue> budget_due_;  // min-heap on due_at
+  std::vector<Event> events_;
+  std::vector<int32_t> scan_tracked_;  // positions whose page-full clock changed in a fallback pass
   int64_t rr_cursor_ = 0;
   int64_t admit_counter_ = 0;
   int64_t uid_counter_ = 0;

@@ -129,6 +129,10 @@ SchedulerCore::SchedulerCore(int64_t num_nodes, int64_t instances_per_node, int6
   else
     max_context_ = room_;
   group_tokens_ = policy_ == kMedha ? policy_arg_ : INT64_MAX;
+  // A tail page is full within page_size steps of its last growth: that many calendar buckets (at most 4096; a
+  // bucket may then hold later clocks too) name every pending page event.
+  calendar_ = group_tokens_ == INT64_MAX;
+  if (calendar_) page_due_.resize(size_t(std::min<int64_t>(page_size, 4096)));
 
   const int n = shape_.num_instances;
   pages_ = PageTable(n, shape_.frames_per_instance);
@@ -239,19 +243,20 @@ void SchedulerCore::finish_slot(int32_t slot) {
 void SchedulerCore::sync(size_t pos) {
   const BatchRec& b = rec_[pos];
   Request& r = reqs_[running_[pos]];
-  r.shard(r.moe_shard).tokens = b.tokens;
-  r.window = b.window;
+  r.shard(r.moe_shard).tokens = rec_tokens(b);
+  r.window = rec_window(b);
 }
 
 BatchRec SchedulerCore::make_rec(const Request& r) const {
   const Shard& tail = r.shard(r.moe_shard);
   BatchRec b;
-  b.tokens = tail.tokens;
+  b.tokens_off = tail.tokens - growth_clock_;
   b.blocks = tail.frames.size();
   b.due_at = r.due_at;
   b.moe = r.moe;
   b.slot = tail.slot;
   b.window = r.window;
+  b.window_at = int32_t(grow_iter_);
   b.lower_fast = r.nshards == 1 && tail.emitted == tail.frames.size() && tail.slot >= 0;
   return b;
 }
@@ -269,6 +274,7 @@ void SchedulerCore::remove_running(int32_t slot) {
     }
   } else {
     running_[pos] = -1;
+    rec_[pos].lower_fast = 0;  // lowering reads holes off the slow path only
     ++running_dead_;
   }
 }
@@ -324,12 +330,8 @@ void SchedulerCore::step(int64_t num_steps) {
 // reference.py _finish_completed: running requests out of decode budget (batch order), then waiting requests that
 // need no decode iteration (queue order).
 void SchedulerCore::finish_completed() {
+  for (const Ref& e : due_) prefetch_lines(e.slot);  // the misses overlap
   for (size_t i = 0; i < due_.size(); ++i) {
-    if (i + 4 < due_.size()) {  // both lines of a request a few finishes ahead
-      const char* ahead = reinterpret_cast<const char*>(&reqs_[due_[i + 4].slot]);
-      __builtin_prefetch(ahead);
-      __builtin_prefetch(ahead + 64);
-    }
     const Ref& e = due_[i];
     const Request& r = reqs_[e.slot];
     if (r.uid == e.uid && r.status == kRunning && decode_steps(r) >= r.max_new_tokens - 1) finish_slot(e.slot);
@@ -391,6 +393,7 @@ void SchedulerCore::rebalance_moe() {
     bind_moe(r, best);
     r.moe_shard = best_shard;
     rec_[pos] = make_rec(r);
+    track(pos);
   }
 }
 
@@ -435,36 +438,149 @@ int SchedulerCore::growth_target(const Request& r, int64_t n) const {
 }
 
 // Every running request reserves its window (num_steps tokens, fewer when its decode budget ends sooner) on its
-// MoE instance (reference.py step's growth loop + _grow). Most requests only need room at their tail shard's last
-// page: their batch record alone grows. Requests out of decode budget after this iteration are noted for the next
-// step's finish pass.
+// MoE instance (reference.py step's growth loop + _grow). Most requests only need room in their tail page: the growth
+// clock covers them. The requests with an event (a page to add, the budget running out) are visited in batch order,
+// like the reference's loop; when they might not all fit their MoE instances (growth elsewhere or preemption reads
+// loads mid-pass), or under medha, every request is visited instead. Requests out of decode budget after this
+// iteration are noted for the next step's finish pass.
 void SchedulerCore::grow_all() {
-  const int64_t done = steps_done_, steps = num_steps_, page = shape_.page_size, group = group_tokens_;
-  const int64_t steps_after = done + steps;
-  int64_t* const kv = kv_tokens_.data();
-  BatchRec* const recs = rec_.data();  // preemption only pops records: no reallocation
+  const int64_t done = steps_done_, steps = num_steps_;
+  grow_iter_ = iteration_;
+  grow_steps_ = int32_t(steps);
+  if (calendar_ && collect_events(done, done + steps) && events_fit(done, steps))
+    grow_events(done, steps);
+  else
+    grow_scan(done, steps);
+}
+
+void SchedulerCore::track(size_t pos) {
+  if (!calendar_) return;
+  const BatchRec& b = rec_[pos];
+  const int32_t slot = running_[pos];
+  const int64_t clock = full_at(b);
+  page_due_[size_t(clock) % page_due_.size()].push_back({clock, reqs_[slot].uid, slot});
+}
+
+void SchedulerCore::track_budget(size_t pos) {
+  if (!calendar_) return;
+  const int32_t slot = running_[pos];
+  budget_due_.push_back({rec_[pos].due_at, reqs_[slot].uid, slot});
+  std::push_heap(budget_due_.begin(), budget_due_.end(), std::greater<BudgetDue>());
+}
+
+// The running requests whose tail page fills or whose decode budget ends by steps_after, into events_ in batch
+// order (stale calendar entries, of requests that finished, moved or were re-admitted since, are dropped).
+bool SchedulerCore::collect_events(int64_t done, int64_t steps_after) {
+  events_.clear();
+  auto live = [&](int32_t slot, int64_t uid) -> const BatchRec* {
+    const Request& r = reqs_[slot];
+    return r.uid == uid && r.status == kRunning ? &rec_[size_t(r.pos)] : nullptr;
+  };
+  const size_t buckets = page_due_.size();
+  const int64_t span = std::min<int64_t>(steps_after - done, int64_t(buckets));
+  // The entries name requests all over the pool: fetch them all first so that the misses overlap.
+  for (int64_t c = done; c < done + span; ++c)
+    for (const PageDue& e : page_due_[size_t(c) % buckets]) prefetch_lines(e.slot);
+  for (int64_t c = done; c < done + span; ++c) {
+    std::vector<PageDue>& bucket = page_due_[size_t(c) % buckets];
+    size_t keep = 0;
+    for (const PageDue& e : bucket) {
+      const BatchRec* b = live(e.slot, e.uid);
+      if (!b || full_at(*b) != e.clock) continue;  // stale
+      if (e.clock < steps_after) {
+        events_.push_back({reqs_[e.slot].pos, e.slot});
+        __builtin_prefetch(reqs_[e.slot].first.frames.end());  // where its new frame goes
+      }
+      else
+        bucket[keep++] = e;  // a later round of this bucket
+    }
+    bucket.resize(keep);
+  }
+  while (!budget_due_.empty() && budget_due_.front().due_at <= steps_after) {
+    const BudgetDue e = budget_due_.front();
+    std::pop_heap(budget_due_.begin(), budget_due_.end(), std::greater<BudgetDue>());
+    budget_due_.pop_back();
+    const BatchRec* b = live(e.slot, e.uid);
+    if (b && b->due_at == e.due_at) events_.push_back({reqs_[e.slot].pos, e.slot});
+  }
+  std::sort(events_.begin(), events_.end());
+  events_.erase(std::unique(events_.begin(), events_.end()), events_.end());
+  return true;
+}
+
+// Whether every event's new pages fit its MoE instance's free frames (then no event takes the slow path).
+bool SchedulerCore::events_fit(int64_t done, int64_t steps) {
+  const int64_t page = shape_.page_size;
+  fill_.assign(size_t(shape_.num_instances), 0);
+  for (const Event& e : events_) {
+    const BatchRec& b = rec_[size_t(e.pos)];
+    const int64_t left = b.due_at - done;
+    const int64_t w = left < steps ? std::max<int64_t>(left, 1) : steps;
+    const int64_t after = b.tokens_off + growth_clock_ + w;
+    if (after > int64_t(b.blocks) * page) fill_[size_t(b.moe)] += ceil_div(after, page) - b.blocks;
+  }
+  for (int i = 0; i < shape_.num_instances; ++i)
+    if (fill_[size_t(i)] > pages_.free_frames(i)) return false;
+  return true;
+}
+
+// Calendar path: the clock moves (every record grows by num_steps, every instance's KV by num_steps per request bound
+// to it), then each event's record is put back to its tokens before growth and grown like in the plain pass.
+void SchedulerCore::grow_events(int64_t done, int64_t steps) {
+  growth_clock_ = done + steps;
+  for (int i = 0; i < shape_.num_instances; ++i) kv_tokens_[size_t(i)] += steps * moe_batch_[size_t(i)];
+  for (size_t e = 0; e < events_.size(); ++e) {
+    const size_t pos = size_t(events_[e].pos);
+    BatchRec& b = rec_[pos];
+    const int64_t before = full_at(b);
+    b.tokens_off -= steps;
+    kv_tokens_[size_t(b.moe)] -= steps;
+    grow_one(pos, done, steps);  // fits (events_fit): no preemption, the batch keeps its shape
+    if (full_at(b) != before) track(pos);
+  }
+}
+
+// The plain pass over the batch in batch order, the clock held at `done` (records not yet visited read as before
+// growth, the visited ones as after it), then moved: every record's offset follows it.
+void SchedulerCore::grow_scan(int64_t done, int64_t steps) {
+  scan_tracked_.clear();
   size_t n = running_.size();
+  const int64_t page = shape_.page_size;
   for (size_t k = 0; k < n; ++k) {
     if (k + kFar < n) {  // the line of a request likely to need a page or to finish
-      const BatchRec& ahead = recs[k + kFar];
-      if (ahead.tokens + steps > ahead.blocks * page || steps_after >= ahead.due_at) prefetch_request(k);
+      const BatchRec& ahead = rec_[k + kFar];
+      if (ahead.tokens_off + done + steps > ahead.blocks * page || done + steps >= ahead.due_at) prefetch_request(k);
     }
     if (running_[k] < 0) continue;  // a hole left by a finished request
-    BatchRec& b = recs[k];
-    const int64_t left = b.due_at - done;  // decode steps the request has left
-    const int64_t w = left < steps ? std::max<int64_t>(left, 1) : steps;
-    const int64_t after = b.tokens + w;
-    if (after <= b.blocks * page && after <= group) {
-      b.tokens = after;
-      b.window = int32_t(w);
-      kv[b.moe] += w;
-    } else {
-      const bool grown = grow_request(k, w);
-      n = running_.size();  // preemption pops requests from the back of the batch
-      if (!grown) continue;  // preempted itself
-    }
-    if (steps_after >= b.due_at) due_.push_back({running_[k], reqs_[running_[k]].uid});
+    const int64_t before = full_at(rec_[k]);
+    const bool kept = grow_one(k, done, steps);
+    n = running_.size();  // preemption pops requests from the back of the batch
+    // the offsets move by -steps after the pass: an unchanged page-full clock reads `before - steps` here
+    if (kept && full_at(rec_[k]) + steps != before) scan_tracked_.push_back(int32_t(k));
   }
+  growth_clock_ = done + steps;
+  for (BatchRec& b : rec_) b.tokens_off -= steps;
+  for (int32_t pos : scan_tracked_)
+    if (size_t(pos) < running_.size() && running_[size_t(pos)] >= 0) track(size_t(pos));
+}
+
+// One request's growth (the reference's loop body): a window of num_steps tokens (fewer when its decode budget ends
+// sooner) in its tail page, else a new page or another instance (grow_request). False if it preempted itself.
+bool SchedulerCore::grow_one(size_t k, int64_t done, int64_t steps) {
+  BatchRec& b = rec_[k];
+  const int64_t left = b.due_at - done;  // decode steps the request has left
+  const int64_t w = left < steps ? std::max<int64_t>(left, 1) : steps;
+  const int64_t after = rec_tokens(b) + w;
+  if (after <= int64_t(b.blocks) * shape_.page_size && after <= group_tokens_) {
+    b.tokens_off = after - growth_clock_;
+    b.window = int32_t(w);
+    b.window_at = int32_t(grow_iter_);
+    kv_tokens_[size_t(b.moe)] += w;
+  } else if (!grow_request(k, w)) {
+    return false;
+  }
+  if (done + steps >= b.due_at) due_.push_back({running_[k], reqs_[running_[k]].uid});
+  return true;
 }
 
 // The growth of one request whose tail page is full (or, medha, whose tail group is): a new page on its MoE
@@ -658,6 +774,8 @@ void SchedulerCore::commit(int32_t slot, int moe, int64_t window) {
   r.pos = int32_t(running_.size());
   running_.push_back(slot);
   rec_.push_back(make_rec(r));
+  track(rec_.size() - 1);
+  track_budget(rec_.size() - 1);
   --num_waiting_;
   last_admitted_.emplace_back(r.handle, r.context_len() - window, recompute);
   if (steps_done_ + num_steps_ >= r.due_at) due_.push_back({slot, r.uid});

@@ -1,6 +1,8 @@
 // SchedulerCore::check_invariants: reference.py check_invariants (loads, pages owned once, waiting/running partition)
 // plus the C++-only indexes (admission-order index, decode-budget list, multi-shard list, node and remote counters,
 // block-table slots and the frames still to list per instance).
+#include <set>
+#include <tuple>
 #include <unordered_set>
 
 #include "scheduler.h"
@@ -22,6 +24,8 @@ void SchedulerCore::check_invariants() {
   std::vector<std::vector<char>> frame_seen(n, std::vector<char>(shape_.frames_per_instance, 0));
   int64_t multi_shard = 0;
   require(rec_.size() == running_.size(), "batch records out of date");
+  std::set<std::tuple<int32_t, int64_t, int64_t>> budget_keys;
+  for (const BudgetDue& e : budget_due_) budget_keys.insert({e.slot, e.uid, e.due_at});
   for (size_t g = 0; g < running_.size(); ++g) {
     const int32_t slot = running_[g];
     const Request& r = reqs_[slot];
@@ -55,8 +59,8 @@ void SchedulerCore::check_invariants() {
     }
     require(r.due_at == r.max_new_tokens - 1 - r.decode_base, "decode budget out of date");
     const BatchRec want = make_rec(r), &got = rec_[g];
-    require(got.tokens == want.tokens && got.blocks == want.blocks && got.due_at == want.due_at &&
-                got.moe == want.moe && got.window == want.window && (!got.lower_fast || want.lower_fast) &&
+    require(got.tokens_off == want.tokens_off && got.blocks == want.blocks && got.due_at == want.due_at &&
+                got.moe == want.moe && rec_window(got) == rec_window(want) && (!got.lower_fast || want.lower_fast) &&
                 (!got.lower_fast || got.slot == want.slot),
             "batch record out of date");
     require(r.window >= 1 && r.window <= num_steps_, "window outside [1, num_steps]");
@@ -65,6 +69,16 @@ void SchedulerCore::check_invariants() {
       bool listed = false;
       for (const Ref& e : due_) listed |= e.slot == slot && e.uid == r.uid;
       require(listed, "a request out of decode budget is missing from the finish list");
+    }
+    if (calendar_) {  // the growth calendar names the request's page-full clock and its decode budget
+      const int64_t clock = full_at(got);
+      require(clock >= growth_clock_ && clock - growth_clock_ < page, "page-full clock outside the next page");
+      bool paged = false, budgeted = false;
+      for (const PageDue& e : page_due_[size_t(clock) % page_due_.size()])
+        paged |= e.slot == slot && e.uid == r.uid && e.clock == clock;
+      budgeted = budget_keys.count({slot, r.uid, r.due_at}) > 0;
+      require(paged, "growth calendar misses a running request's page-full clock");
+      require(budgeted || decode_steps(r) >= r.max_new_tokens - 1, "growth calendar misses a decode budget");
     }
   }
   require(kv == kv_tokens_ && batch == moe_batch_ && shards == num_shards_, "per-instance load counters out of date");
