@@ -145,51 +145,15 @@ def test_random_workloads_match_reference(data):
     run_ops(ref, cpp, data.draw(operations(spec)))
 
 
-@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-@given(data=st.data())
-def test_parallel_lowering_matches_reference(data):
-    """Chunked lowering on the caller and the helper thread writes the tables of the one-pass lowering."""
-    spec, policy, table, max_batch = data.draw(setups())
-    ref, cpp = make_pair(spec, policy, table, max_batch)
-    cpp.set_lower_threads(2, 0, data.draw(st.integers(1, 4)))
-    run_ops(ref, cpp, data.draw(operations(spec)))
-
-
-def test_lower_threads_bad_arguments():
-    cpp = _core.SchedulerCore(1, 4, 64, 4, "nanocp", [8], [2], 0)
-    for args, match in [((0, 0, 1), "lower threads must be 1 or 2"), ((3, 0, 1), "lower threads must be 1 or 2")]:
-        with pytest.raises(SchedulerError, match=match):
-            cpp.set_lower_threads(*args)
-    for args in [(2, -1, 1), (2, 0, 0)]:
-        with pytest.raises(SchedulerError, match="min_batch must be >= 0 and chunk >= 1"):
-            cpp.set_lower_threads(*args)
-    cpp.set_lower_threads(1)
-    assert cpp.lower_threads == 1
-
-
 @pytest.mark.parametrize(
-    "policy,chunk",
-    [
-        ("nanocp", 0),
-        ("least-batch", 0),
-        ("least-cache", 0),
-        ("round-robin", 0),
-        ("uniform-cp:2", 0),
-        ("medha:40", 0),
-        ("csps:30", 0),
-        ("nanocp", 3),
-        ("medha:40", 2),
-    ],
+    "policy", ["nanocp", "least-batch", "least-cache", "round-robin", "uniform-cp:2", "medha:40", "csps:30"]
 )
-def test_long_run_under_memory_pressure(policy, chunk):
-    """Hundreds of iterations on a cluster kept nearly full: growth moves, preemption and re-admission recur (chunk:
-    lowered in chunks of that many requests on two threads)."""
+def test_long_run_under_memory_pressure(policy):
+    """Hundreds of iterations on a cluster kept nearly full: growth moves, preemption and re-admission recur."""
     rng = random.Random(zlib.crc32(policy.encode()))
     spec = ClusterSpec(2, 4, 24 * 4, 4)
     table = CPBucketTable((16, 48, 120), (1, 2, 4))
     ref, cpp = make_pair(spec, policy, table, 0)
-    if chunk:
-        cpp.set_lower_threads(2, 0, chunk)
     next_handle, preempted, grown = 0, 0, 0
     for _ in range(300):
         for _ in range(rng.randrange(0, 4)):

@@ -154,11 +154,6 @@ void bind_scheduler(nb::module_& m) {
            "snapshots); the frames listed are marked as listed.")
       .def("lower", &lower_one, nb::arg("instance"), nb::arg("full") = false,
            "One instance's int32 routing table (only its frames are marked as listed).")
-      .def("set_lower_threads", &SchedulerCore::set_lower_threads, nb::arg("threads"), nb::arg("min_batch") = 4096,
-           nb::arg("chunk") = 1024,
-           "Lower batches of at least min_batch requests in chunks of `chunk` on the caller and a helper thread "
-           "(threads=2, the default on machines with several cores) or in one pass (threads=1).")
-      .def_prop_ro("lower_threads", &SchedulerCore::lower_threads)
       .def("check_invariants", &SchedulerCore::check_invariants)
       .def_prop_ro("last_step_ns", &SchedulerCore::last_step_ns, "C++ wall time of the last step() (ns).")
       .def_prop_ro("last_lower_ns", &SchedulerCore::last_lower_ns,

@@ -24,7 +24,6 @@
 #include <unordered_map>
 #include <vector>
 
-#include "lower_pool.h"
 #include "page_table.h"
 
 namespace nanocp::sched {
@@ -157,10 +156,6 @@ class SchedulerCore {
   std::shared_ptr<TableBuffer> lower_all(std::vector<size_t>& offsets, bool full);
   // Lower one instance only (full pass for the row numbering, rows written for `instance` only).
   std::shared_ptr<TableBuffer> lower(int instance, size_t& size, bool full);
-  // Parallel lowering: batches of at least min_batch running requests are lowered in chunks of `chunk` requests by
-  // the caller and (threads >= 2) one helper thread. threads = 1 lowers in one pass on the caller.
-  void set_lower_threads(int64_t threads, int64_t min_batch, int64_t chunk);
-  int64_t lower_threads() const { return lower_threads_; }
   void check_invariants();
 
   // wall time of the last step() and of the last lower_all()/lower() inside C++ (diagnostics for benchmarks)
@@ -268,13 +263,10 @@ class SchedulerCore {
   size_t table_size(int instance, bool full) const;
   void start_table(int instance, int32_t* base, size_t total, bool full, Cursor& cursor) const;
   template <bool kAll, bool kFull>
-  void write_tables(Cursor* cursors, size_t lo, size_t hi, int32_t g, int only);
-  void count_rows(size_t lo, size_t hi, bool full, Cursor* cursors, int32_t& g) const;  // rows, not written
-  template <bool kFull>
-  void write_chunked(std::vector<Cursor>& cursors);
+  void write_tables(std::vector<Cursor>& cursors, int only);
   template <bool kAll, bool kFull>
   void write_request(size_t k, int32_t g, Cursor* cursors, int only);
-  void finish_tables(const std::vector<Cursor>& cursors, size_t last, int only);
+  void finish_tables(std::vector<Cursor>& cursors, int only);
   std::shared_ptr<TableBuffer> pooled_buffer(size_t size);
 
   ClusterShape shape_;
@@ -343,12 +335,6 @@ class SchedulerCore {
   std::vector<std::shared_ptr<TableBuffer>> pool_;
 
   int64_t last_step_ns_ = 0, last_lower_ns_ = 0;
-
-  // parallel lowering
-  int64_t lower_threads_ = 1;
-  size_t lower_min_batch_ = 4096, lower_chunk_ = 1024;
-  std::unique_ptr<LowerPool> lower_pool_;  // created at the first step with a batch that large
-  std::vector<int32_t> chunk_g_;
 };
 
 }  // namespace nanocp::sched

@@ -145,7 +145,6 @@ SchedulerCore::SchedulerCore(int64_t num_nodes, int64_t instances_per_node, int6
   pending_updates_.assign(n, 0);
   lowered_seq_.assign(n, -1);
   node_order_.resize(shape_.num_nodes);
-  lower_threads_ = std::thread::hardware_concurrency() > 1 ? 2 : 1;
   multi_count_.assign(n + 2, 0);
 }
 
@@ -309,10 +308,6 @@ void SchedulerCore::step(int64_t num_steps) {
     throw SchedulerError("num_steps must be between 1 and " + std::to_string(INT32_MAX) + ", got " +
                          std::to_string(num_steps));
   const auto t0 = std::chrono::steady_clock::now();
-  if (lower_threads_ > 1 && running_.size() >= lower_min_batch_) {  // the helper gets going while the step runs
-    if (!lower_pool_) lower_pool_ = std::make_unique<LowerPool>();
-    lower_pool_->wake();
-  }
   num_steps_ = num_steps;
   ++iteration_;
   last_admitted_.clear();

@@ -99,7 +99,8 @@ void SchedulerCore::start_table(int i, int32_t* base, size_t total, bool full, C
 // counting rows everywhere (receive rows are numbered across instances). kFull: list every frame of every shard.
 // A request whose record says it has one shard with every frame listed is lowered from its record alone.
 template <bool kAll, bool kFull>
-void SchedulerCore::write_tables(Cursor* cursors, size_t lo, size_t hi, int32_t g, int only) {
+void SchedulerCore::write_tables(std::vector<Cursor>& cur, int only) {
+  Cursor* const cursors = cur.data();
   const size_t n = running_.size();
   const int32_t* const run = running_.data();
   const BatchRec* const recs = rec_.data();
@@ -107,7 +108,8 @@ void SchedulerCore::write_tables(Cursor* cursors, size_t lo, size_t hi, int32_t 
   const int32_t grow_iter = int32_t(grow_iter_), grow_steps = grow_steps_;
   // A single shard's tokens fit int32 unless one instance holds more than that: then every row is checked.
   const bool check_tokens = int64_t(shape_.frames_per_instance) * shape_.page_size > INT32_MAX;
-  for (size_t k = lo; k < hi; ++k) {  // g: batch index of entry k (holes do not count)
+  int32_t g = 0;  // batch index: holes do not count
+  for (size_t k = 0; k < n; ++k) {
     if (k + kFar < n && (kFull || !recs[k + kFar].lower_fast)) prefetch_request(k);
     const BatchRec& b = recs[k];
     if (kFull || !b.lower_fast) {  // holes, several shards, frames to list
@@ -186,78 +188,17 @@ void SchedulerCore::write_request(size_t k, int32_t g, Cursor* cursors, int only
   rec_[k] = make_rec(r);
 }
 
-// After the pass: every written table gets its longest shard's block count (over the chunks' cursors, the last
-// chunk's counters are the totals), and its instance's store state moves to this iteration (nothing left to list).
-void SchedulerCore::finish_tables(const std::vector<Cursor>& cur, size_t last, int only) {
-  const int n = shape_.num_instances;
-  for (int i = 0; i < n; ++i) {
+// After the pass: every written table gets its longest shard's block count, and its instance's store state moves
+// to this iteration (nothing left to list).
+void SchedulerCore::finish_tables(std::vector<Cursor>& cur, int only) {
+  for (int i = 0; i < shape_.num_instances; ++i) {
     if (only >= 0 && i != only) continue;
-    const Cursor& c = cur[last * size_t(n) + size_t(i)];
+    Cursor& c = cur[i];
     if (c.n_updates != c.header[6]) throw InvariantError("lowering listed a different number of block updates");
-    int32_t max_blocks = 0;
-    for (size_t chunk = 0; chunk <= last; ++chunk) max_blocks = std::max(max_blocks, cur[chunk * size_t(n) + size_t(i)].max_blocks);
-    c.header[kMaxBlocksSlot] = max_blocks;
+    c.header[kMaxBlocksSlot] = c.max_blocks;
     lowered_seq_[i] = iteration_;
     pending_updates_[i] = 0;
   }
-}
-
-// The rows batch entries [lo, hi) add to each instance's sections (write_tables' numbering without the writes).
-void SchedulerCore::count_rows(size_t lo, size_t hi, bool full, Cursor* cursors, int32_t& g) const {
-  for (size_t k = lo; k < hi; ++k) {
-    if (running_[k] < 0) continue;
-    ++g;
-    const BatchRec& b = rec_[k];
-    if (!full && b.lower_fast) {
-      ++cursors[b.moe].n_moe;
-      ++cursors[b.moe].n_shards;
-      continue;
-    }
-    const Request& r = reqs_[running_[k]];
-    Cursor& cm = cursors[r.moe];
-    ++cm.n_moe;
-    for (int32_t j = 0; j < r.nshards; ++j) {
-      const Shard& s = r.shard(j);
-      Cursor& ct = cursors[s.instance];
-      ++ct.n_shards;
-      ct.n_updates += s.frames.size() - (full ? 0 : s.emitted);
-      if (s.instance != r.moe) {
-        ++ct.n_remote_in;
-        ++cm.n_remote_out;
-      }
-    }
-  }
-}
-
-// Chunks of lower_chunk_ batch entries, each with its own cursors starting at the rows of the chunks before it
-// (a counting pass), written by the caller and the pool's helper.
-template <bool kFull>
-void SchedulerCore::write_chunked(std::vector<Cursor>& cur) {
-  const size_t n = running_.size(), ni = size_t(shape_.num_instances);
-  const size_t chunks = (n + lower_chunk_ - 1) / lower_chunk_;
-  cur.resize(chunks * ni);
-  chunk_g_.assign(chunks, 0);
-  int32_t g = 0;
-  for (size_t c = 1; c < chunks; ++c) {
-    std::copy(cur.begin() + (c - 1) * ni, cur.begin() + c * ni, cur.begin() + c * ni);
-    count_rows((c - 1) * lower_chunk_, c * lower_chunk_, kFull, &cur[c * ni], g);
-    chunk_g_[c] = g;
-  }
-  lower_pool_->run(uint32_t(chunks), [&](uint32_t c) {
-    const size_t lo = c * lower_chunk_, hi = std::min(n, lo + lower_chunk_);
-    write_tables<true, kFull>(&cur[c * ni], lo, hi, chunk_g_[c], -1);
-  });
-}
-
-void SchedulerCore::set_lower_threads(int64_t threads, int64_t min_batch, int64_t chunk) {
-  if (threads < 1 || threads > 2) throw SchedulerError("lower threads must be 1 or 2, got " + std::to_string(threads));
-  if (min_batch < 0 || chunk < 1)
-    throw SchedulerError("lower min_batch must be >= 0 and chunk >= 1, got " + std::to_string(min_batch) + ", " +
-                         std::to_string(chunk));
-  lower_threads_ = threads;
-  lower_min_batch_ = size_t(min_batch);
-  lower_chunk_ = size_t(chunk);
-  if (threads == 1) lower_pool_.reset();
 }
 
 std::shared_ptr<TableBuffer> SchedulerCore::lower_all(std::vector<size_t>& offsets, bool full) {
@@ -270,17 +211,11 @@ std::shared_ptr<TableBuffer> SchedulerCore::lower_all(std::vector<size_t>& offse
   auto buf = pooled_buffer(offsets[n]);
   std::vector<Cursor> cur(n);
   for (int i = 0; i < n; ++i) start_table(i, buf->data.get() + offsets[i], offsets[i + 1] - offsets[i], full, cur[i]);
-  if (lower_pool_ && lower_threads_ > 1 && running_.size() >= lower_min_batch_ && running_.size() > lower_chunk_) {
-    if (full)
-      write_chunked<true>(cur);
-    else
-      write_chunked<false>(cur);
-  } else if (full) {
-    write_tables<true, true>(cur.data(), 0, running_.size(), 0, -1);
-  } else {
-    write_tables<true, false>(cur.data(), 0, running_.size(), 0, -1);
-  }
-  finish_tables(cur, cur.size() / size_t(n) - 1, -1);
+  if (full)
+    write_tables<true, true>(cur, -1);
+  else
+    write_tables<true, false>(cur, -1);
+  finish_tables(cur, -1);
   last_lower_ns_ = std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count();
   return buf;
 }
@@ -299,10 +234,10 @@ std::shared_ptr<TableBuffer> SchedulerCore::lower(int instance, size_t& size, bo
   std::vector<Cursor> cur(shape_.num_instances);
   start_table(instance, buf->data.get(), size, full, cur[instance]);
   if (full)
-    write_tables<false, true>(cur.data(), 0, running_.size(), 0, instance);
+    write_tables<false, true>(cur, instance);
   else
-    write_tables<false, false>(cur.data(), 0, running_.size(), 0, instance);
-  finish_tables(cur, 0, instance);
+    write_tables<false, false>(cur, instance);
+  finish_tables(cur, instance);
   last_lower_ns_ = std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count();
   return buf;
 }
