@@ -25,19 +25,20 @@ import torch
 
 from nanocp.control_plane.lowering import RoutingTables
 from nanocp.graphs import BucketContext, BucketFamily, BucketShape, FieldSpec, GraphEngine
-from nanocp.models import (
-    ModelConfig,
-    dense_mlp,
-    embed,
-    logits,
-    mla_decode_output,
-    mla_decode_qkv,
-    moe_gate,
-    post_attention_norm,
-    shared_expert,
-)
+from nanocp.models import ModelConfig
 
+from .backends import torch_experts
 from .block_store import store_slots
+from .decode_layers import (
+    RopeTable,
+    add_attention_output,
+    add_mlp,
+    ffn_input,
+    final_logits,
+    moe_gate,
+    project,
+    slab_experts,
+)
 from .experts import expert_slots
 
 if TYPE_CHECKING:
@@ -263,12 +264,14 @@ class GraphRunner:
                 f"{self.store.empty_row}, its width {self.store.max_blocks}"
             )
         self.kernels = instance.backends.kernels
+        self.config = instance.model.config
         self.pieces = self._make_pieces()
         engine.register_pieces(self.pieces)
 
     def _make_pieces(self) -> dict:
-        """name -> piece, for the names of `piece_names` (a piece's name is its kind and layer)."""
-        layers = {layer.index: layer for layer in self.inst.model.layers}
+        """name -> piece, for the names of `piece_names` (a piece's name is its kind and layer). The pieces run
+        the eager path's math (decode_layers.py) on the instance's prepared weights."""
+        layers = {layer.index: layer for layer in self.inst.weights.layers}
         step = {
             "project": self._project, "attend": self._attend, "merge": self._merge, "dense": self._dense,
             "gate": self._gate, "experts": self._experts, "moe_out": self._moe_out,
@@ -286,10 +289,11 @@ class GraphRunner:
     def _embed(self, ctx: BucketContext) -> None:
         store = self.store.table[:, : ctx.bucket.max_blocks]  # [slots + 1, B] view of the static store
         torch.index_select(store, 0, ctx["shard_slot"], out=ctx["block_table"])
-        ctx["h"].copy_(embed(self.inst.model, ctx["tokens"]))
+        ctx["h"].copy_(self.inst.weights.embed_tokens[ctx["tokens"]])
 
     def _project(self, ctx: BucketContext, layer) -> None:
-        q_latent, kv_new = mla_decode_qkv(layer, ctx["h"], ctx["positions"])  # [M, H, Dqk], [M, Dkv]
+        rope = RopeTable.at(self.inst.weights.rope, ctx["positions"])
+        q_latent, kv_new = project(layer, self.config, ctx["h"], rope)  # [M, H, Dqk], [M, Dkv]
         ctx["q_latent"].copy_(q_latent)
         kv = self.inst.pool.kv[layer.index]  # [frames, page, Dkv]
         self.kernels.scatter_rows(kv.view(-1, kv.shape[-1]), ctx["kv_slot"], kv_new)
@@ -311,26 +315,32 @@ class GraphRunner:
         received = self.inst.res_route.recv[: ctx.bucket.res_recv]
         o_merged, _ = self.kernels.merge_routed(ctx["o"], ctx["lse"], received, ctx["merge_index"])
         h = ctx["h"]
-        h.add_(mla_decode_output(layer, o_merged))
-        ctx["x"].copy_(post_attention_norm(layer, h))
+        h.copy_(add_attention_output(layer, h, o_merged))
+        ctx["x"].copy_(ffn_input(layer, self.config, h))
 
     def _dense(self, ctx: BucketContext, layer) -> None:
-        ctx["h"].add_(dense_mlp(layer, ctx["x"]))
+        ctx["h"].copy_(add_mlp(layer.mlp, ctx["x"], ctx["h"]))
 
     def _gate(self, ctx: BucketContext, layer) -> None:
-        topk_idx, topk_weights = moe_gate(layer, ctx["x"])
+        topk_idx, topk_weights = moe_gate(layer, self.config, ctx["x"])
         ctx["topk_idx"].copy_(topk_idx.masked_fill(~ctx["row_valid"][:, None], -1))  # padding rows choose nothing
         ctx["topk_weights"].copy_(topk_weights)
 
     def _experts(self, ctx: BucketContext, layer) -> None:
         inst = self.inst
-        inst.backends.experts(layer, inst.local_experts, inst.dispatcher.recv_x, ctx["recv_count"], ctx["expert_out"])
+        if inst.backends.experts is torch_experts:  # the prepared experts as one grouped GEMM over the slabs
+            slab_experts(layer.experts, inst.dispatcher.recv_x, out=ctx["expert_out"])
+            return
+        raw = inst.model.layers[layer.index]
+        inst.backends.experts(raw, inst.local_experts, inst.dispatcher.recv_x, ctx["recv_count"], ctx["expert_out"])
 
     def _moe_out(self, ctx: BucketContext, layer) -> None:
-        ctx["h"].add_(ctx["combined"] + shared_expert(layer, ctx["x"]))
+        h, x = ctx["h"], ctx["x"]
+        shared = add_mlp(layer.shared, x, h) if layer.shared is not None else h
+        h.copy_(shared + ctx["combined"])
 
     def _logits(self, ctx: BucketContext) -> None:
-        ctx["logits"].copy_(logits(self.inst.model, ctx["h"]))
+        ctx["logits"].copy_(final_logits(self.inst.weights, ctx["h"]))
 
     # ---- the iteration ---------------------------------------------------------------------------------
     def iteration(

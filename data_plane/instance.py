@@ -20,13 +20,23 @@ Two paths run the same phases: the eager path (default) sizes everything to the 
 (`graphs=GraphEngine`, data_plane/graph_runner.py) pads the iteration to the smallest covering bucket and runs the
 phases between exchanges on the bucket's static buffers (CUDA graphs on GPU). A shape no bucket covers runs
 eagerly, with a GraphFallbackWarning.
+
+The eager path is the CPU hot loop: the routing table becomes index arrays once per iteration (numpy, host side),
+the per-sub-step metadata (positions, rope rotation, KV slots, the attention backend's page gather and length mask)
+once per sub-step, and each layer runs a few batched torch ops on weights prepared at start-up
+(decode_layers.py). Work that the table shows to be empty is skipped: no Q/Res exchange or LSE merge without
+CP > 1 rows, nothing but the MoE exchange and the local experts on an instance without requests. Its MoE exchange is
+the packed dispatcher (moe_exchange.py: one put per peer and direction); instances with a graph engine or an
+explicit dispatcher backend keep the static-slab dispatcher (comm.moe_dispatch, DeepEP), so a graph instance's
+eager fallback still meets its peers on the same exchange.
 """
 
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from nanocp.comm.fabric import Fabric
@@ -34,26 +44,27 @@ from nanocp.comm.moe_dispatch import LowLatencyDispatcher
 from nanocp.comm.routing import RoutingBackend
 from nanocp.control_plane.lowering import RoutingTables
 from nanocp.graphs import GraphEngine, GraphFallbackWarning
-from nanocp.models import (
-    DeepseekV3Weights,
-    dense_mlp,
-    embed,
-    expert_ffn,
-    logits,
-    merge_attention_partials,
-    mla_decode_output,
-    mla_decode_qkv,
-    moe_gate,
-    post_attention_norm,
-    shared_expert,
-)
+from nanocp.models import DeepseekV3Weights
 
 from .backends import Backends
 from .block_store import BlockTableStore
+from .decode_layers import (
+    DecodeLayerWeights,
+    DecodeWeights,
+    RopeTable,
+    add_attention_output,
+    add_mlp,
+    ffn_input,
+    final_logits,
+    grouped_experts,
+    moe_gate,
+    project,
+)
 from .experts import expert_slots, owned_experts
 from .graph_runner import GraphRunner, execution_shape
 from .kv_pool import PagedKVPool
-from .sampling import SamplingParams, sample_token
+from .moe_exchange import PackedDispatcher
+from .sampling import SamplingParams, sample_tokens
 from .timing import TimingLog
 
 
@@ -122,16 +133,33 @@ class DecodeInstance:
             fabric, "res", max(1, limits.max_res_recv), (heads, dv + 1), torch.float32, timeout_s
         )
         self.dispatcher = None
+        self.local_experts = range(0)
+        # The packed exchange serves eager-only instances; a graph engine or a dispatcher backend needs the slabs.
+        self.packed_moe = graphs is None and self.backends.dispatcher is None
         if any(layer.moe is not None for layer in model.layers):
-            make_dispatcher = self.backends.dispatcher or LowLatencyDispatcher
             slots = expert_slots(c.n_routed_experts, fabric.world_size)
-            self.dispatcher = make_dispatcher(
-                fabric, slots * fabric.world_size, c.hidden_size, limits.max_moe_batch, dtype, "moe", timeout_s
-            )
+            num_slots = slots * fabric.world_size
+            if self.packed_moe:
+                self.dispatcher = PackedDispatcher(
+                    fabric,
+                    num_slots,
+                    c.hidden_size,
+                    limits.max_moe_batch,
+                    c.num_experts_per_tok,
+                    dtype,
+                    "moe",
+                    timeout_s,
+                )
+            else:
+                make_dispatcher = self.backends.dispatcher or LowLatencyDispatcher
+                self.dispatcher = make_dispatcher(
+                    fabric, num_slots, c.hidden_size, limits.max_moe_batch, dtype, "moe", timeout_s
+                )
             self.local_experts = owned_experts(rank, fabric.world_size, c.n_routed_experts)
             missing = set(self.local_experts) - model.expert_ids
             if missing:
                 raise ValueError(f"instance {rank} must hold experts {sorted(missing)}")
+        self.weights = DecodeWeights.build(model, self.local_experts)
         self._seq = 0
         self._expert_out: torch.Tensor | None = None
         # The graph path keeps the pool's last frame as scratch: the scheduler's frames are the others, and the
@@ -170,13 +198,12 @@ class DecodeInstance:
         self._check_table(table, rows)
         self.block_store.apply(table)
         shape = table.shape
-        shards = torch.from_numpy(table.shards).long()  # [s, 4]
         ctx = dict(
             iteration=table.iteration,
             instance=self.rank,
             moe_batch=shape.moe_batch,
             shard_rows=shape.shard_rows,
-            kv_tokens=int(shards[:, 2].sum()) if len(shards) else 0,
+            kv_tokens=int(table.shards[:, 2].sum()) if len(table.shards) else 0,
             q_recv=shape.q_recv,
             res_recv=shape.res_recv,
         )
@@ -191,23 +218,21 @@ class DecodeInstance:
                 GraphFallbackWarning,
                 stacklevel=2,
             )
-        plan = _StepTables.build(table, self.block_store, self.pool.page_size)
+        tables = _IterationTables.build(table, self.block_store, self.pool.page_size)
         device = self.model.embed_tokens.device
-        batch_indices = table.moe[:, 0].tolist()
-        tokens = [rows[b].token for b in batch_indices]
+        tokens = [rows[b].token for b in tables.batch_indices]
         outputs: list[RowOutput] = []
         with torch.no_grad():
             for j in range(table.num_steps):
-                step = plan.sub_step(j)
-                x = torch.tensor(tokens, dtype=torch.int64, device=device)
-                h = embed(self.model, x) if len(x) else self._empty_hidden()  # [m, D]
-                for layer in self.model.layers:
-                    h = yield from self._layer(layer, h, step, ctx)
+                step = tables.sub_step(j, self.weights.rope, self.backends.attention, self.model.embed_tokens.dtype)
+                h = self.weights.embed_tokens[torch.tensor(tokens, dtype=torch.int64, device=device)]  # [m, D]
+                for layer in self.weights.layers:
+                    h = yield from self._layer(layer, h, tables, step, ctx)
                 with self.timing.phase("sampling", -1, ctx):
-                    out = self._sample(h, step, batch_indices, rows, return_logits)
+                    out = self._sample(h, tables, step, rows, return_logits)
                 outputs += out
                 for o in out:  # each active row's sampled token is its next input
-                    tokens[step.row_of[o.batch_index]] = o.token
+                    tokens[tables.row_of[o.batch_index]] = o.token
         return outputs
 
     def _check_table(self, table: RoutingTables, rows: dict[int, RowInput]) -> None:
@@ -216,84 +241,116 @@ class DecodeInstance:
         shape, lim = table.shape, self.limits
         if shape.moe_batch > lim.max_moe_batch or shape.q_recv > lim.max_q_recv or shape.res_recv > lim.max_res_recv:
             raise ValueError(f"instance {self.rank}: iteration shape {shape} exceeds its limits {lim}")
-        missing = [int(b) for b in table.moe[:, 0] if int(b) not in rows]
+        missing = [b for b in table.moe[:, 0].tolist() if b not in rows]
         if missing:
             raise ValueError(f"instance {self.rank}: no input for batch rows {missing}")
 
-    def _empty_hidden(self) -> torch.Tensor:
-        e = self.model.embed_tokens
-        return e.new_zeros(0, e.shape[1])
-
-    def _layer(self, layer, h: torch.Tensor, step: _StepTables, ctx: dict):
-        c, i = self.model.config, layer.index
-        timing = self.timing
+    def _layer(self, w: DecodeLayerWeights, h: torch.Tensor, tables: _IterationTables, step: _SubStep, ctx: dict):
+        c, i, timing = self.model.config, w.index, self.timing
+        kv_pages = self.pool.kv[i]  # [frames, page, Dkv]
+        q_latent = None
         with timing.phase("projection", i, ctx):
-            q_latent, kv_new = mla_decode_qkv(layer, h, step.positions)  # [m, H, Dqk], [m, Dkv]
-            if len(step.write_rows):  # masked rows (past their window) write nothing
-                self.pool.write_tokens(i, step.new_frames, step.new_slots, kv_new[step.write_rows])
+            if tables.m:
+                q_latent, kv_new = project(w, c, h, step.rope)  # [m, H, Dqk], [m, Dkv]
+                if step.writes:  # masked rows (past their window) write nothing
+                    kv_new = kv_new if step.write_rows is None else kv_new.index_select(0, step.write_rows)
+                    kv_pages.view(-1, kv_pages.shape[-1]).index_copy_(0, step.kv_slots, kv_new.to(kv_pages.dtype))
         seq = self._next_seq()
         with timing.phase("q_route", i, ctx):
-            self.q_route.send(step.q_send, q_latent, seq)
-        yield Wait(self.q_route.wait_flags(step.q_sources, seq))
+            if tables.q_send is not None:
+                self.q_route.send(tables.q_send, q_latent, seq)
+        if tables.q_sources:
+            yield Wait(self.q_route.wait_flags(tables.q_sources, seq))
+        o = lse = None
         with timing.phase("attention", i, ctx):
-            q_recv = self.q_route.recv
-            # Shard queries: local ones from this instance's rows, remote ones from the receive buffer.
-            q_shard = q_latent.new_empty(len(step.shard_lens), *q_latent.shape[1:])
-            if len(step.local_shard_idx):
-                q_shard[step.local_shard_idx] = q_latent[step.local_shard_moe_row]
-            if len(step.remote_shard_idx):
-                q_shard[step.remote_shard_idx] = q_recv[step.remote_shard_q_row]
-            o, lse = self.backends.attention(
-                q_shard, self.pool.kv[i], step.block_table, step.shard_lens, self.model.softmax_scale, c.kv_lora_rank
-            )  # [s, H, kv_lora], [s, H]
+            if tables.s:
+                q_shard = tables.shard_queries(q_latent, self.q_route.recv)
+                o, lse = self._attend(q_shard, kv_pages, tables, step)  # [s, H, kv_lora], [s, H]
         with timing.phase("res_route", i, ctx):
-            self.res_route.send(step.res_send, torch.cat([o.float(), lse[..., None]], dim=-1), seq)
-        yield Wait(self.res_route.wait_flags(step.res_sources, seq))
+            if tables.res_send is not None:
+                self.res_route.send(tables.res_send, torch.cat([o.float(), lse[..., None]], dim=-1), seq)
+        if tables.res_sources:
+            yield Wait(self.res_route.wait_flags(tables.res_sources, seq))
         with timing.phase("merge", i, ctx):
-            res = self.res_route.recv[: step.n_res_recv]  # [r, H, kv_lora + 1]: partial o | lse
-            o_parts = torch.cat([o[step.merge_local_shard], res[..., :-1].to(o.dtype)])  # [m + r, H, kv_lora]
-            lse_parts = torch.cat([lse[step.merge_local_shard], res[..., -1]])
-            if step.n_res_recv:
-                o_merged = _merge_by_row(o_parts, lse_parts, step.merge_row, len(h))
-            else:  # every local request has its whole KV here: its only partial is the result
-                o_merged = o_parts
-            h = h + mla_decode_output(layer, o_merged)
-        x = post_attention_norm(layer, h)
-        if layer.moe is None:
-            with timing.phase("dense", i, ctx):
-                return h + dense_mlp(layer, x)
-        routed = yield from self._moe(layer, x, step.active, ctx)
-        return h + routed
+            if tables.m:
+                h = add_attention_output(w, h, self._merge(o, lse, tables))
+        if w.mlp is None:
+            return (yield from self._moe(w, h, step, ctx))
+        with timing.phase("dense", i, ctx):
+            return add_mlp(w.mlp, ffn_input(w, c, h), h) if tables.m else h
 
-    def _moe(self, layer, x: torch.Tensor, active: torch.Tensor, ctx: dict):
-        timing, i, dispatcher = self.timing, layer.index, self.dispatcher
+    def _attend(self, q_shard: torch.Tensor, kv_pages: torch.Tensor, tables: _IterationTables, step: _SubStep):
+        attention, scale, v_dim = self.backends.attention, self.model.softmax_scale, self.model.config.kv_lora_rank
+        if step.attention_plan is not None:
+            return attention.run(step.attention_plan, q_shard, kv_pages, scale, v_dim)
+        return attention(q_shard, kv_pages, tables.block_table, step.shard_lens, scale, v_dim)
+
+    def _merge(self, o: torch.Tensor, lse: torch.Tensor, tables: _IterationTables) -> torch.Tensor:
+        """Partials of the local rows -> o [m, H, kv_lora]: the tail shard's alone when nothing was received."""
+        if tables.merge_index is None:
+            return o if tables.tail_index is None else o.index_select(0, tables.tail_index)
+        received = self.res_route.recv[: tables.n_res_recv]  # [r, H, kv_lora + 1]: partial o | lse
+        return self.backends.kernels.merge_routed(o, lse, received, tables.merge_index)[0]
+
+    def _moe(self, w: DecodeLayerWeights, h: torch.Tensor, step: _SubStep, ctx: dict):
+        c, i, timing, dispatcher = self.model.config, w.index, self.timing, self.dispatcher
+        m = h.shape[0]
         with timing.phase("dispatch", i, ctx):
-            topk_idx, topk_weights = moe_gate(layer, x)  # [m, k]
-            topk_idx = topk_idx.masked_fill(~active[:, None], -1)  # masked rows choose no expert
+            x = ffn_input(w, c, h) if m else h
+            if m:
+                topk_idx, topk_weights = moe_gate(w, c, x)  # [m, k]
+                if step.write_rows is not None:  # masked rows choose no expert
+                    topk_idx = topk_idx.masked_fill(~step.active[:, None], -1)
+            else:
+                topk_idx = torch.empty(0, c.num_experts_per_tok, dtype=torch.int64, device=h.device)
+                topk_weights = torch.empty(0, c.num_experts_per_tok, dtype=torch.float32, device=h.device)
             pending = dispatcher.dispatch_send(x, topk_idx)
         yield Wait(dispatcher.wait_flags(pending))
+        if self.packed_moe:
+            with timing.phase("experts", i, ctx):
+                received = dispatcher.dispatch_finish(pending)
+                y = grouped_experts(w.experts, dispatcher.recv_x, received.rows, received.local_expert)
+            with timing.phase("combine", i, ctx):
+                dispatcher.combine_send(y, received)
+            yield Wait(dispatcher.combine_wait_flags(pending))
+            with timing.phase("combine", i, ctx):
+                routed = dispatcher.combine_finish(pending, topk_weights, h.dtype)
+                return (add_mlp(w.shared, x, h) if w.shared is not None and m else h) + routed
         with timing.phase("experts", i, ctx):
             recv_x, _, handle = dispatcher.dispatch_finish(pending)
-            if self._expert_out is None:  # static, like recv_x: only rows that hold tokens are written and sent
-                self._expert_out = torch.empty_like(recv_x)  # [local_experts, ranks * max, D]
-            y = self._expert_out
-            for local, expert_id in enumerate(self.local_experts):
-                rows = _expert_rows(handle, local, dispatcher.max_tokens)  # received rows
-                if len(rows):
-                    y[local, rows] = expert_ffn(layer.moe.experts[expert_id], recv_x[local, rows])
+            y = self._slab_experts(w, recv_x, handle)
         with timing.phase("combine", i, ctx):
             dispatcher.combine_send(y, topk_idx, topk_weights, handle)
         yield Wait(dispatcher.wait_flags(handle))
         with timing.phase("combine", i, ctx):
-            return dispatcher.combine_finish(handle, topk_weights, y.dtype) + shared_expert(layer, x)
+            routed = dispatcher.combine_finish(handle, topk_weights, y.dtype)
+            return (add_mlp(w.shared, x, h) if w.shared is not None and m else h) + routed
+
+    def _slab_experts(self, w: DecodeLayerWeights, recv_x: torch.Tensor, handle) -> torch.Tensor:
+        """Experts over a static-slab dispatcher's receive buffer [local, slab rows, D] -> outputs in the same
+        layout (static, like recv_x: only rows that hold tokens are written and sent back)."""
+        if self._expert_out is None:
+            self._expert_out = torch.empty_like(recv_x)  # [local_experts, ranks * max, D]
+        y, slab = self._expert_out, recv_x.shape[1]
+        per_expert = [
+            _expert_rows(handle, local, self.dispatcher.max_tokens) for local in range(len(self.local_experts))
+        ]
+        local = np.repeat(np.arange(len(per_expert)), [len(r) for r in per_expert])
+        flat_rows = torch.cat(per_expert).long().cpu() + torch.from_numpy(local * slab)  # rows of recv_x.view(-1, D)
+        if len(flat_rows):
+            flat = recv_x.reshape(-1, recv_x.shape[-1])
+            out = grouped_experts(w.experts, flat, flat_rows.numpy(), local)
+            y.view(-1, y.shape[-1]).index_copy_(0, flat_rows.to(y.device), out)
+        return y
 
     def _sample(
-        self, h: torch.Tensor, step: _StepTables, batch_indices: list[int], rows: dict[int, RowInput], keep: bool
+        self, h: torch.Tensor, tables: _IterationTables, step: _SubStep, rows: dict[int, RowInput], keep: bool
     ) -> list[RowOutput]:
-        active = step.active_rows
-        if not len(active):
+        if not step.active_rows:
             return []
-        return self._sample_rows(logits(self.model, h[active]), [batch_indices[r] for r in active], rows, keep, step.j)
+        active = h if step.write_rows is None else h.index_select(0, step.write_rows)
+        batch_indices = [tables.batch_indices[r] for r in step.active_rows]
+        return self._sample_rows(final_logits(self.weights, active), batch_indices, rows, keep, step.j)
 
     def _sample_rows(
         self,
@@ -305,12 +362,15 @@ class DecodeInstance:
     ) -> list[RowOutput]:
         """step_logits [a, vocab], one row per active MoE row (batch_indices in the same order) -> sampled rows of
         sub-step `step`."""
-        out = []
-        for r, batch_index in enumerate(batch_indices):
-            inp = rows[batch_index]
-            token = sample_token(step_logits[r], inp.params, inp.output_index + step, inp.fallback_seed)
-            out.append(RowOutput(batch_index, token, step_logits[r].clone() if keep else None, step))
-        return out
+        inputs = [rows[b] for b in batch_indices]
+        tokens = sample_tokens(
+            step_logits,
+            [inp.params for inp in inputs],
+            [inp.output_index + step for inp in inputs],
+            [inp.fallback_seed for inp in inputs],
+        )
+        kept = step_logits.clone().unbind(0) if keep else [None] * len(tokens)
+        return [RowOutput(b, t, lg, step) for b, t, lg in zip(batch_indices, tokens, kept)]
 
     def _next_seq(self) -> int:
         self._seq += 1
@@ -331,115 +391,146 @@ def _slab_rows(counts: torch.Tensor, max_tokens: int) -> torch.Tensor:
     return torch.repeat_interleave(skip, counts) + torch.arange(int(counts.sum()))
 
 
-def _merge_by_row(o_parts: torch.Tensor, lse_parts: torch.Tensor, row: torch.Tensor, m: int) -> torch.Tensor:
-    """Merge partials o_parts [P, H, Dv] / lse_parts [P, H] that belong to moe rows row [P] -> o [m, H, Dv]."""
-    if m == 0:
-        return o_parts.new_zeros(0, *o_parts.shape[1:])
-    counts = torch.bincount(row, minlength=m)
-    k = int(counts.max())
-    # Pack into [k, m, ...] with -inf padding so merge_attention_partials merges each row's parts.
-    slot = torch.zeros_like(row)
-    order = torch.argsort(row, stable=True)
-    starts = torch.cumsum(counts, 0) - counts
-    slot[order] = torch.arange(len(row)) - starts[row[order]]
-    o_pad = o_parts.new_zeros(k, m, *o_parts.shape[1:])
-    lse_pad = lse_parts.new_full((k, m, lse_parts.shape[1]), float("-inf"))
-    o_pad[slot, row] = o_parts
-    lse_pad[slot, row] = lse_parts
-    return merge_attention_partials(o_pad, lse_pad)[0]
-
-
 @dataclass
-class _StepTables:
-    """The routing table turned into index tensors once per iteration (shared by every layer), with the fields of
-    one sub-step j (`sub_step`): positions, the KV slots written, the tail shards' lengths, the active rows."""
+class _IterationTables:
+    """The routing table as index arrays, built once per iteration on the host (shared by every sub-step and
+    layer). `None` marks work the table shows to be empty or the identity."""
 
-    q_send: torch.Tensor  # [n, 3] (dst, src moe row, dst row)
+    m: int  # MoE rows
+    s: int  # shard rows
+    batch_indices: list[int]  # [m]
+    row_of: dict[int, int]  # batch index -> moe row
+    first: np.ndarray  # [m] position of each moe row's first new token
+    window: np.ndarray  # [m] decode steps of each moe row
+    tail: np.ndarray  # [m] local tail shard of each moe row
+    full_lens: np.ndarray  # [s] tokens of every shard (the window's reserved slots included)
+    host_blocks: np.ndarray  # [s, max_blocks] int32 block tables (host copy)
+    block_table: torch.Tensor  # [s, max_blocks] int32 on the pool's device
+    page_size: int
+    q_send: torch.Tensor | None  # [n, 3] (dst, src moe row, dst row)
     q_sources: list[int]
-    local_shard_idx: torch.Tensor
-    local_shard_moe_row: torch.Tensor
-    remote_shard_idx: torch.Tensor
-    remote_shard_q_row: torch.Tensor
-    block_table: torch.Tensor  # [s, max_blocks] from the block-table store
-    res_send: torch.Tensor  # [n, 3] (dst, src shard, dst row)
+    shard_q_index: torch.Tensor | None  # [s] query row of each shard in [q_latent ; received queries]
+    q_recv_rows: int  # received query rows the shards read (0: every shard is local)
+    res_send: torch.Tensor | None  # [n, 3] (dst, src shard, dst row)
     res_sources: list[int]
     n_res_recv: int
-    merge_local_shard: torch.Tensor  # [m] local shard index per moe row
-    merge_row: torch.Tensor  # [m + r] moe row of each partial (local ones first, then received rows)
-    row_of: dict[int, int]  # batch index -> moe row
-    first: torch.Tensor  # [m] position of each moe row's first new token
-    window: torch.Tensor  # [m] decode steps of each moe row
-    tail_lens: torch.Tensor  # [m] tokens of each moe row's tail shard (its window's slots included)
-    full_lens: torch.Tensor  # [s] tokens of every shard
-    page_size: int
-    # one sub-step
-    j: int = 0
-    positions: torch.Tensor | None = None  # [m] position of each moe row's token in sub-step j
-    active: torch.Tensor | None = None  # [m] bool: j < window
-    active_rows: list[int] | None = None  # moe rows with j < window
-    write_rows: torch.Tensor | None = None  # [a] moe rows writing KV (the active ones)
-    new_frames: torch.Tensor | None = None  # [a] frame of each written token's KV slot
-    new_slots: torch.Tensor | None = None  # [a] slot inside that frame
-    shard_lens: torch.Tensor | None = None  # [s] tokens attended in sub-step j
+    tail_index: torch.Tensor | None  # [m] int64 (None: shard i is moe row i's tail shard)
+    merge_index: torch.Tensor | None  # [m, K] parts of each row (kernels.merge_routed), None when nothing arrives
 
     @classmethod
-    def build(cls, t: RoutingTables, store: BlockTableStore, page_size: int) -> _StepTables:
-        moe = torch.from_numpy(t.moe).long()  # [m, 4]: batch index, first position, local tail shard, window
-        shards = torch.from_numpy(t.shards).long()  # [s, 4]: batch index, q source, tokens, slot
-        n_shards = len(shards)
-        block_table = store.rows(t.shards[:, 3], max(1, t.max_blocks))  # [s, max_blocks]
+    def build(cls, t: RoutingTables, store: BlockTableStore, page_size: int) -> _IterationTables:
+        moe = t.moe.astype(np.int64)  # [m, 4]: batch index, first position, local tail shard, window
+        shards = t.shards.astype(np.int64)  # [s, 4]: batch index, q source, tokens, slot
+        m, s = len(moe), len(shards)
         tail = moe[:, 2]
-        if len(moe) and int(tail.min()) < 0:
+        if m and int(tail.min()) < 0:
             raise ValueError("a MoE row has no local tail shard (its new tokens must be written on its MoE instance)")
-        local = shards[:, 1] < 0 if n_shards else torch.zeros(0, dtype=torch.bool)
-        shard_to_moe_row = torch.full((n_shards,), -1, dtype=torch.int64)
-        shard_to_moe_row[tail] = torch.arange(len(moe))
-        q_send = torch.from_numpy(t.q_send).long()
-        res_send = torch.from_numpy(t.res_send).long()
-        res_recv = torch.from_numpy(t.res_recv).long()
-        local_idx = torch.nonzero(local).flatten()
-        remote_idx = torch.nonzero(~local).flatten()
-        full_lens = shards[:, 2] if n_shards else torch.zeros(0, dtype=torch.int64)
+        width = max(1, t.max_blocks)
+        host_blocks = store.host[shards[:, 3], :width]  # [s, width] (a copy)
+        on_host = store.table.device.type == "cpu"
+        block_table = torch.from_numpy(host_blocks) if on_host else store.rows(t.shards[:, 3], width)
+        source = shards[:, 1]
+        local = source < 0
+        moe_row = np.full(s, -1, dtype=np.int64)
+        moe_row[tail] = np.arange(m)
+        if (moe_row[local] < 0).any():
+            raise ValueError("a local shard belongs to no MoE row of this instance")
+        q_index = np.where(local, moe_row, m + source)
+        remote = ~local
+        q_recv_rows = int(source[remote].max()) + 1 if remote.any() else 0
+        identity = s == m and not remote.any() and bool((q_index == np.arange(s)).all())
+        res_recv = t.res_recv.astype(np.int64)
         return cls(
-            q_send=q_send[:, [1, 0, 2]] if len(q_send) else q_send.reshape(0, 3),
-            q_sources=sorted({int(s) for s in t.q_recv[:, 0]}),
-            local_shard_idx=local_idx,
-            local_shard_moe_row=shard_to_moe_row[local_idx],
-            remote_shard_idx=remote_idx,
-            remote_shard_q_row=shards[remote_idx, 1],
-            block_table=block_table,
-            res_send=res_send[:, [1, 0, 2]] if len(res_send) else res_send.reshape(0, 3),
-            res_sources=sorted({int(s) for s in t.res_recv[:, 0]}),
-            n_res_recv=len(res_recv),
-            merge_local_shard=tail,
-            merge_row=torch.cat([torch.arange(len(moe)), res_recv[:, 1] if len(res_recv) else res_recv.reshape(0)]),
-            row_of={int(b): r for r, b in enumerate(t.moe[:, 0])},
+            m=m,
+            s=s,
+            batch_indices=moe[:, 0].tolist(),
+            row_of={b: r for r, b in enumerate(moe[:, 0].tolist())},
             first=moe[:, 1],
             window=moe[:, 3],
-            tail_lens=full_lens[tail] if len(moe) else torch.zeros(0, dtype=torch.int64),
-            full_lens=full_lens,
+            tail=tail,
+            full_lens=shards[:, 2],
+            host_blocks=host_blocks,
+            block_table=block_table,
             page_size=page_size,
+            q_send=_send_list(t.q_send),
+            q_sources=sorted(set(t.q_recv[:, 0].tolist())),
+            shard_q_index=None if identity else torch.from_numpy(q_index),
+            q_recv_rows=q_recv_rows,
+            res_send=_send_list(t.res_send),
+            res_sources=sorted(set(t.res_recv[:, 0].tolist())),
+            n_res_recv=len(res_recv),
+            tail_index=None if s == m and bool((tail == np.arange(m)).all()) else torch.from_numpy(tail),
+            merge_index=_merge_index(tail, res_recv[:, 1], s) if len(res_recv) else None,
         )
 
-    def sub_step(self, j: int) -> _StepTables:
+    def shard_queries(self, q_latent: torch.Tensor | None, q_recv: torch.Tensor) -> torch.Tensor:
+        """The query of every shard [s, H, Dqk]: local rows' own, the others' from the receive buffer."""
+        if self.shard_q_index is None:
+            return q_latent
+        if not self.q_recv_rows:
+            return q_latent.index_select(0, self.shard_q_index)
+        rows = q_recv[: self.q_recv_rows]
+        parts = rows if q_latent is None or not len(q_latent) else torch.cat([q_latent, rows.to(q_latent.dtype)])
+        return parts.index_select(0, self.shard_q_index)
+
+    def sub_step(self, j: int, rope, attention, dtype: torch.dtype) -> _SubStep:
         """Sub-step j: a row past its window (masked) keeps its last position and whole tail shard, writes
         nothing and is not sampled."""
         active = j < self.window  # [m]
-        step = torch.minimum(torch.full_like(self.window, j), self.window - 1)  # [m]
-        token_index = self.tail_lens - self.window + step  # [m] slot of the token in its tail shard
-        shard_lens = self.full_lens.clone()
-        shard_lens[self.merge_local_shard] = token_index + 1
-        write_rows = torch.nonzero(active).flatten()
-        write_index = token_index[write_rows]
-        tail = self.merge_local_shard[write_rows]
-        return replace(
-            self,
+        step = np.minimum(j, self.window - 1)  # [m]
+        token_index = self.full_lens[self.tail] - self.window + step  # [m] slot of the token in its tail shard
+        shard_lens = self.full_lens.copy()
+        shard_lens[self.tail] = token_index + 1
+        all_active = bool(active.all())
+        write = np.arange(self.m) if all_active else np.nonzero(active)[0]
+        index = token_index[write]
+        frames = self.host_blocks[self.tail[write], index // self.page_size].astype(np.int64)
+        lens = torch.from_numpy(shard_lens)
+        plan = None
+        if self.s and hasattr(attention, "plan"):
+            plan = attention.plan(self.block_table, lens, self.page_size, dtype)
+        device = self.block_table.device
+        return _SubStep(
             j=j,
-            positions=self.first + step,
-            active=active,
-            active_rows=write_rows.tolist(),
-            write_rows=write_rows,
-            new_frames=self.block_table[tail, write_index // self.page_size].long(),
-            new_slots=write_index % self.page_size,
-            shard_lens=shard_lens,
+            rope=RopeTable.at(rope, torch.from_numpy(self.first + step)) if self.m else None,
+            active=torch.from_numpy(active),
+            active_rows=write.tolist(),
+            write_rows=None if all_active else torch.from_numpy(write).to(device),
+            writes=len(write),
+            kv_slots=torch.from_numpy(frames * self.page_size + index % self.page_size).to(device),
+            shard_lens=lens.to(device),
+            attention_plan=plan,
         )
+
+
+@dataclass
+class _SubStep:
+    j: int
+    rope: RopeTable | None  # rotation of the moe rows' positions
+    active: torch.Tensor  # [m] bool: j < window
+    active_rows: list[int]  # moe rows with j < window
+    write_rows: torch.Tensor | None  # [a] the active rows (None: every row is active)
+    writes: int
+    kv_slots: torch.Tensor  # [a] frame * page_size + slot of each active row's new KV
+    shard_lens: torch.Tensor  # [s] tokens attended in sub-step j
+    attention_plan: object | None  # the attention backend's per-sub-step plan, when it makes one
+
+
+def _send_list(send: np.ndarray) -> torch.Tensor | None:
+    """Table send rows (src row, dst, dst row) -> RoutingBackend's (dst, src row, dst row); None when empty."""
+    if not len(send):
+        return None
+    return torch.from_numpy(np.ascontiguousarray(send[:, [1, 0, 2]].astype(np.int64)))
+
+
+def _merge_index(tail: np.ndarray, owner: np.ndarray, s: int) -> torch.Tensor:
+    """Parts of each moe row for kernels.merge_routed: its tail shard (index < s), then its received partials
+    (s + receive row), -1 padding. owner [r]: moe row of each received partial, in receive order."""
+    m = len(tail)
+    order = np.argsort(owner, kind="stable")
+    first_of = np.searchsorted(owner[order], owner[order], side="left")
+    column = 1 + np.arange(len(owner)) - first_of
+    index = np.full((m, 1 + int(column.max())), -1, dtype=np.int64)
+    index[:, 0] = tail
+    index[owner[order], column] = s + order
+    return torch.from_numpy(index)

@@ -45,7 +45,8 @@ def sample_token(logits: torch.Tensor, params: SamplingParams, output_index: int
     """logits [vocab] -> one token id. `output_index` is the index of the token in the request's output."""
     if params.greedy:
         return int(torch.argmax(logits))
-    probs = torch.softmax(logits.double() / params.temperature, dim=-1)  # [vocab]
+    shifted = logits.double() - logits.double().max()  # <= 0, so a tiny temperature cannot overflow
+    probs = torch.softmax(shifted / params.temperature, dim=-1)  # [vocab]
     if params.top_k > 0 and params.top_k < probs.numel():
         kth = torch.topk(probs, params.top_k).values[-1]
         probs = torch.where(probs >= kth, probs, torch.zeros_like(probs))
@@ -57,3 +58,17 @@ def sample_token(logits: torch.Tensor, params: SamplingParams, output_index: int
     seed = params.seed if params.seed is not None else fallback_seed
     gen = torch.Generator().manual_seed((seed * 1_000_003 + output_index) & 0x7FFF_FFFF_FFFF_FFFF)
     return int(torch.multinomial(probs / probs.sum(), 1, generator=gen))
+
+
+def sample_tokens(
+    logits: torch.Tensor, params: list[SamplingParams], output_indices: list[int], fallback_seeds: list[int]
+) -> list[int]:
+    """logits [a, vocab] -> a token per row, as `sample_token` row by row; greedy rows share one argmax."""
+    greedy = [p.greedy for p in params]
+    if all(greedy):
+        return logits.argmax(dim=-1).tolist()
+    best = logits.argmax(dim=-1).tolist() if any(greedy) else greedy
+    return [
+        best[r] if greedy[r] else sample_token(logits[r], params[r], output_indices[r], fallback_seeds[r])
+        for r in range(len(params))
+    ]

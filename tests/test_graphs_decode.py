@@ -38,8 +38,9 @@ LIMITS = InstanceLimits(MAX_BATCH, MAX_BATCH * N, MAX_BATCH * N)
 CONFIG = load_config("tiny")
 GREEDY = SamplingParams(max_tokens=64, temperature=0.0)
 # max |graph - eager| / max |eager|, per logits row and per KV pool. Not 0: padding changes GEMM batch sizes, and
-# CPU BLAS rounds a 1-row product (gemv) differently from the same row inside a larger batch.
-RTOL = 1e-6
+# CPU BLAS rounds a 1-row product (gemv) differently from the same row inside a larger batch; an instance with one
+# request runs every product of the eager path as gemv (seen up to 1.1e-6 on these plans), the padded one never.
+RTOL = 2e-6
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -178,6 +179,21 @@ def test_graph_path_equals_eager_on_random_plans(models, policy, seed):
         assert now == ptrs[r]
 
 
+def expert_counts(inst: DecodeInstance) -> torch.Tensor:
+    """[sources, local experts] int32: tokens each source sent to each local expert in the last MoE layer (the
+    graph path's static-slab dispatcher keeps them in `moe.count`; the eager path's packed one sends each source's
+    count and its rows' local experts in `moe.meta`)."""
+    if not inst.packed_moe:
+        return inst.fabric.buffer("moe.count")
+    disp, meta = inst.dispatcher, inst.fabric.buffer("moe.meta")
+    counts = torch.zeros(N, disp.local_experts, dtype=torch.int32)
+    for src in range(N):
+        base = src * (disp.cap + 1)
+        experts = meta[base + 1 : base + 1 + int(meta[base])].long()
+        counts[src] = torch.bincount(experts, minlength=disp.local_experts)
+    return counts
+
+
 def test_padding_is_inert(models):
     """A family with one big bucket pads every iteration heavily: same results, KV written only where it should
     be plus the scratch frame, no extra tokens dispatched to the experts."""
@@ -196,8 +212,7 @@ def test_padding_is_inert(models):
         assert_rows_close(tight.run(plan.tables, rows), want)
         assert_pools_close(padded.pools, eager.pools)
         for e_inst, p_inst in zip(eager.instances, padded.instances):
-            counts = "moe.count"  # tokens each source sent to each local expert in the last MoE layer
-            assert torch.equal(e_inst.fabric.buffer(counts), p_inst.fabric.buffer(counts))
+            assert torch.equal(expert_counts(e_inst), expert_counts(p_inst))
         padded_rows = sum(MAX_BATCH - len(plan.routing(i).moe) for i in range(N))
         if padded_rows:  # padding MoE rows wrote their KV into the scratch frame
             assert any(not torch.equal(p.kv[:, FRAMES], s) for p, s in zip(padded.pools, scratch_before))

@@ -2,7 +2,8 @@
 
 `Backends.reference()` is plain torch on any device (what CPU runs and every test compares against).
 `Backends.detect(device, ...)` keeps the reference except where a capability check passes: FlashMLA for shard
-attention and the Triton routing kernels on a CUDA device. DeepEP (dispatcher) and DeepGEMM (experts, which need
+attention and the Triton routing kernels on a CUDA device, torch's fused flash-attention kernel for shard attention
+on CPU (cpu_attention.py). DeepEP (dispatcher) and DeepGEMM (experts, which need
 DeepEP's packed receive layout) need a process group and are opted into explicitly (docs/gpu.md).
 """
 
@@ -51,12 +52,15 @@ class Backends:
     @classmethod
     def detect(cls, device: torch.device | str, page_size: int, dtype: torch.dtype) -> Backends:
         """Accelerated attention and routing kernels where the capability checks pass, the reference otherwise."""
+        from .cpu_attention import CpuPagedAttention, fused_attention_unavailable_reason
         from .flashmla import FlashMLAAttention, flashmla_unavailable_reason
 
         device = torch.device(device)
         attention: AttentionFn = mla_paged_attention_with_lse
         if flashmla_unavailable_reason(device, page_size, dtype) is None:
             attention = FlashMLAAttention()
+        elif device.type == "cpu" and fused_attention_unavailable_reason() is None:
+            attention = CpuPagedAttention()
         return cls(attention=attention, kernels=select_routing_kernels(device))
 
     def describe(self) -> dict[str, str]:

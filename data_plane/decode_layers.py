@@ -1,0 +1,319 @@
+"""DeepSeek-V3 decode math on weights prepared once per instance: the eager decode path's hot loop.
+
+The reference phase functions (models/deepseek_v3.py) stay the plain statements of the math. This module runs the
+same phases with fewer and larger torch ops, on weights rearranged when the instance starts:
+- linear weights transposed to [in, out]: `x @ W` is a plain GEMM (F.linear on [out, in] weights is about twice
+  as slow on CPU at decode batch sizes);
+- q_a_proj and kv_a_proj fused into one GEMM (both read the normed hidden state), gate and up projections fused;
+- W_UK folded into q_b_proj and W_UV into o_proj (the query goes straight into the latent space, the merged latent
+  output straight to the hidden size) when that costs at most ABSORB_MAX_FLOP_RATIO times the FLOPs of the two
+  small GEMMs (true for the tiny model, false for DeepSeek-V3's widths, which keep the per-head products);
+- the rope dims of q_b_proj and kv_a_proj reordered into (x1, x2) pairs, so the rotation is one complex multiply;
+  rotated values are written de-interleaved ([x1' | x2']), the layout of the KV cache and of HF;
+- the instance's routed experts stacked into [E_local, D, 2I] / [E_local, I, D] for grouped GEMMs (bmm).
+Results equal the reference up to fp32 rounding (tests/test_data_plane_decode_layers.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from nanocp.models import DeepseekV3Weights, LayerWeights, MLPWeights, ModelConfig, RotaryEmbedding, rms_norm
+from nanocp.models.deepseek_v3 import LATENT_NORM_EPS
+
+ABSORB_MAX_FLOP_RATIO = 2.0
+_COMPLEX_ROPE_DTYPES = (torch.float32, torch.float64)
+
+
+# ---- prepared weights -----------------------------------------------------------------------------------------
+
+
+@dataclass
+class GatedMLP:
+    """SwiGLU MLP with [in, out] weights."""
+
+    gate_up: torch.Tensor  # [D, 2I]: gate | up
+    down: torch.Tensor  # [I, D]
+
+    @classmethod
+    def of(cls, mlp: MLPWeights) -> GatedMLP:
+        return cls(torch.cat([mlp.gate_proj, mlp.up_proj]).T.contiguous(), mlp.down_proj.T.contiguous())
+
+
+@dataclass
+class GroupedExperts:
+    """One layer's local routed experts, stacked for grouped GEMMs."""
+
+    gate_up: torch.Tensor  # [E_local, D, 2I]
+    down: torch.Tensor  # [E_local, I, D]
+
+    @classmethod
+    def of(cls, experts: Sequence[MLPWeights]) -> GroupedExperts:
+        mlps = [GatedMLP.of(e) for e in experts]
+        return cls(torch.stack([m.gate_up for m in mlps]), torch.stack([m.down for m in mlps]))
+
+
+@dataclass
+class DecodeAttentionWeights:
+    qkv_a: torch.Tensor  # [D, q_lora + kv_lora + rope] (no q_lora: [D, kv_lora + rope]); rope dims in pair order
+    q_a_norm: torch.Tensor | None  # [q_lora]
+    q_b: torch.Tensor  # [q_in, H * (kv_lora + rope)] absorbed, else [q_in, H * (nope + rope)]; q_in = q_lora or D
+    w_uk: torch.Tensor | None  # [H, nope, kv_lora] when the query is not absorbed
+    kv_a_norm: torch.Tensor  # [kv_lora]
+    w_o: torch.Tensor  # [H * kv_lora, D] absorbed (W_UV, then o_proj), else o_proj as [H * v, D]
+    w_uv: torch.Tensor | None  # [H, kv_lora, v] when the output is not absorbed
+
+
+@dataclass
+class DecodeLayerWeights:
+    index: int
+    input_norm: torch.Tensor  # [D]
+    post_attention_norm: torch.Tensor  # [D]
+    attn: DecodeAttentionWeights
+    mlp: GatedMLP | None  # dense layers
+    gate: torch.Tensor | None  # [D, E] fp32 (MoE layers)
+    gate_bias: torch.Tensor | None  # [E] fp32
+    shared: GatedMLP | None
+    experts: GroupedExperts | None  # this instance's routed experts, in local order
+
+
+@dataclass
+class DecodeWeights:
+    config: ModelConfig
+    embed_tokens: torch.Tensor  # [V, D]
+    layers: list[DecodeLayerWeights]
+    norm: torch.Tensor  # [D]
+    lm_head: torch.Tensor  # [D, V]
+    rope: RotaryEmbedding
+
+    @classmethod
+    def build(cls, model: DeepseekV3Weights, local_experts: Sequence[int] = ()) -> DecodeWeights:
+        """Prepare `model` for decoding; `local_experts` (global ids, in local order) are stacked per MoE layer."""
+        layers = [_prepare_layer(layer, local_experts) for layer in model.layers]
+        return cls(model.config, model.embed_tokens, layers, model.norm, model.lm_head.T.contiguous(), model.rope)
+
+
+def rope_pair_order(config: ModelConfig) -> torch.Tensor:
+    """Permutation of the rope dims that puts each rotated pair (x1_i, x2_i) side by side."""
+    half = config.qk_rope_head_dim // 2
+    if config.rope_interleave:  # the checkpoint's own layout: pairs (x0, x1), (x2, x3), ...
+        return torch.arange(2 * half)
+    return torch.stack([torch.arange(half), torch.arange(half, 2 * half)], dim=1).flatten()  # halves -> pairs
+
+
+def _absorb(cost_absorbed: int, cost_apart: int) -> bool:
+    return cost_absorbed <= ABSORB_MAX_FLOP_RATIO * cost_apart
+
+
+def _prepare_attention(layer: LayerWeights) -> DecodeAttentionWeights:
+    c, a = layer.config, layer.attn
+    heads, nope, rope, lora, v = (
+        c.num_attention_heads,
+        c.qk_nope_head_dim,
+        c.qk_rope_head_dim,
+        c.kv_lora_rank,
+        c.v_head_dim,
+    )
+    dtype = a.kv_a_proj.dtype
+    pair = rope_pair_order(c)
+    kv_a = torch.cat([a.kv_a_proj[:lora], a.kv_a_proj[lora:][pair]])  # [kv_lora + rope, D]
+    q_plain = a.q_b_proj if a.q_proj is None else a.q_proj  # [H * (nope + rope), q_in]
+    q_in = q_plain.shape[1]
+    q_heads = q_plain.view(heads, nope + rope, q_in)
+    q_nope, q_rope = q_heads[:, :nope], q_heads[:, nope:][:, pair]  # [H, nope, q_in], [H, rope, q_in]
+    w_uk, w_uv = layer.w_uk, layer.w_uv  # [H, nope, kv_lora], [H, v, kv_lora]
+    absorb_q = _absorb(q_in * heads * lora, q_in * heads * nope + heads * nope * lora)
+    if absorb_q:  # per head [q_in, kv_lora] = q_nope_h^T @ W_UK_h, then the head's rope columns
+        latent = torch.einsum("hnq,hnc->hqc", q_nope.double(), w_uk.double()).to(dtype)  # [H, q_in, kv_lora]
+        q_b = torch.cat([latent, q_rope.transpose(1, 2)], dim=2)  # [H, q_in, kv_lora + rope]
+    else:
+        q_b = torch.cat([q_nope, q_rope], dim=1).transpose(1, 2)  # [H, q_in, nope + rope]
+    q_b = q_b.transpose(0, 1).reshape(q_in, -1).contiguous()
+    absorb_o = _absorb(heads * lora * c.hidden_size, heads * lora * v + heads * v * c.hidden_size)
+    o_heads = a.o_proj.view(c.hidden_size, heads, v)  # [D, H, v]
+    if absorb_o:  # per head [kv_lora, D] = W_UV_h^T @ o_proj_h^T
+        w_o = torch.einsum("hvc,dhv->hcd", w_uv.double(), o_heads.double()).to(dtype).reshape(heads * lora, -1)
+    else:
+        w_o = a.o_proj.T.contiguous()
+    qkv_a = kv_a if a.q_proj is not None else torch.cat([a.q_a_proj, kv_a])
+    return DecodeAttentionWeights(
+        qkv_a=qkv_a.T.contiguous(),
+        q_a_norm=a.q_a_norm,
+        q_b=q_b,
+        w_uk=None if absorb_q else w_uk.contiguous(),
+        kv_a_norm=a.kv_a_norm,
+        w_o=w_o.contiguous(),
+        w_uv=None if absorb_o else w_uv.transpose(1, 2).contiguous(),
+    )
+
+
+def _prepare_layer(layer: LayerWeights, local_experts: Sequence[int]) -> DecodeLayerWeights:
+    moe = layer.moe
+    experts = None
+    if moe is not None and len(local_experts):
+        missing = [e for e in local_experts if e not in moe.experts]
+        if missing:
+            raise ValueError(f"layer {layer.index}: local experts {missing} are not materialised")
+        experts = GroupedExperts.of([moe.experts[e] for e in local_experts])
+    return DecodeLayerWeights(
+        index=layer.index,
+        input_norm=layer.input_norm,
+        post_attention_norm=layer.post_attention_norm,
+        attn=_prepare_attention(layer),
+        mlp=None if layer.mlp is None else GatedMLP.of(layer.mlp),
+        gate=None if moe is None else moe.gate.float().T.contiguous(),
+        gate_bias=None if moe is None else moe.e_score_correction_bias.float(),
+        shared=None if moe is None or moe.shared is None else GatedMLP.of(moe.shared),
+        experts=experts,
+    )
+
+
+# ---- the phases -------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class RopeTable:
+    """Rotation of the rows of one sub-step (shared by every layer)."""
+
+    cos: torch.Tensor  # [T, half] fp32, YaRN attention factor included
+    sin: torch.Tensor  # [T, half]
+    freqs: torch.Tensor  # [T, half] complex64: cos + i sin
+
+    @classmethod
+    def at(cls, rope: RotaryEmbedding, positions: torch.Tensor) -> RopeTable:
+        cos, sin = rope.cos_sin(positions)
+        return cls(cos, sin, torch.complex(cos, sin))
+
+
+def norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm; torch's fused op where it computes exactly what `models.rms_norm` does (fp32)."""
+    if x.dtype == torch.float32 and weight.dtype == torch.float32:
+        return F.rms_norm(x, weight.shape, weight, eps)
+    return rms_norm(x, weight, eps)
+
+
+def rotate_pairs(x: torch.Tensor, rope: RopeTable) -> torch.Tensor:
+    """x [T, ..., rope] in pair order -> rotated, de-interleaved [T, ..., rope] ([x1' | x2'])."""
+    half = x.shape[-1] // 2
+    if x.dtype in _COMPLEX_ROPE_DTYPES:
+        pairs = x.unflatten(-1, (half, 2))
+        if pairs.storage_offset() % 2 or any(s % 2 for s in pairs.stride()[:-1]):
+            pairs = pairs.contiguous()
+        freqs = rope.freqs.view(rope.freqs.shape[0], *(1,) * (x.dim() - 2), half)
+        rotated = torch.view_as_real(torch.view_as_complex(pairs) * freqs)  # [T, ..., half, 2]
+        return rotated.transpose(-1, -2).flatten(-2)
+    shape = (rope.cos.shape[0],) + (1,) * (x.dim() - 2) + (half,)
+    cos, sin = rope.cos.to(x.dtype).view(shape), rope.sin.to(x.dtype).view(shape)
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
+def project(
+    w: DecodeLayerWeights, c: ModelConfig, h: torch.Tensor, rope: RopeTable
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """h [T, D] residual stream -> q_latent [T, H, kv_lora + rope], kv_new [T, kv_lora + rope] (as
+    models.mla_decode_qkv)."""
+    a, t = w.attn, h.shape[0]
+    heads, lora, rope_dim = c.num_attention_heads, c.kv_lora_rank, c.qk_rope_head_dim
+    x = norm(h, w.input_norm, c.rms_norm_eps)
+    qkv = x @ a.qkv_a  # [T, q_lora + kv_lora + rope]
+    q_lora = qkv.shape[1] - lora - rope_dim
+    kv_new = torch.cat(
+        [
+            norm(qkv[:, q_lora : q_lora + lora], a.kv_a_norm, LATENT_NORM_EPS),
+            rotate_pairs(qkv[:, q_lora + lora :], rope),
+        ],
+        dim=1,
+    )
+    q_in = x if a.q_a_norm is None else norm(qkv[:, :q_lora], a.q_a_norm, LATENT_NORM_EPS)
+    if a.w_uk is None:  # absorbed: [T, H, kv_lora + rope] straight from the GEMM
+        q_latent = (q_in @ a.q_b).view(t, heads, lora + rope_dim)
+        q_latent[..., lora:] = rotate_pairs(q_latent[..., lora:], rope)
+        return q_latent, kv_new
+    q = (q_in @ a.q_b).view(t, heads, -1)  # [T, H, nope + rope]
+    nope = q.shape[-1] - rope_dim
+    latent = torch.bmm(q[..., :nope].transpose(0, 1), a.w_uk).transpose(0, 1)  # [T, H, kv_lora]
+    return torch.cat([latent, rotate_pairs(q[..., nope:], rope)], dim=-1), kv_new
+
+
+def add_attention_output(w: DecodeLayerWeights, h: torch.Tensor, o_latent: torch.Tensor) -> torch.Tensor:
+    """h [T, D] + attention output of the merged o_latent [T, H, kv_lora] (as models.mla_decode_output)."""
+    a, t = w.attn, h.shape[0]
+    if a.w_uv is None:
+        return torch.addmm(h, o_latent.reshape(t, -1), a.w_o)
+    o = torch.bmm(o_latent.transpose(0, 1), a.w_uv).transpose(0, 1)  # [T, H, v]
+    return torch.addmm(h, o.reshape(t, -1), a.w_o)
+
+
+def ffn_input(w: DecodeLayerWeights, c: ModelConfig, h: torch.Tensor) -> torch.Tensor:
+    return norm(h, w.post_attention_norm, c.rms_norm_eps)
+
+
+def add_mlp(mlp: GatedMLP, x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+    """h [T, D] + SwiGLU(x [T, D])."""
+    gate_up = x @ mlp.gate_up  # [T, 2I]
+    inter = mlp.down.shape[0]
+    return torch.addmm(h, F.silu(gate_up[:, :inter]) * gate_up[:, inter:], mlp.down)
+
+
+def moe_gate(w: DecodeLayerWeights, c: ModelConfig, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, D] -> topk_idx int64 [T, k], topk_weights fp32 [T, k] (as models.moe_gate)."""
+    t = x.shape[0]
+    scores = torch.sigmoid(x.float() @ w.gate)  # [T, E]
+    choice = scores + w.gate_bias
+    if c.n_group > 1:
+        grouped = choice.view(t, c.n_group, c.experts_per_group)
+        group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)  # [T, G]
+        top_groups = group_scores.topk(c.topk_group, dim=-1).indices
+        dropped = torch.ones_like(group_scores, dtype=torch.bool).scatter_(1, top_groups, False)
+        choice = grouped.masked_fill(dropped[..., None], float("-inf")).view(t, -1)
+    topk_idx = choice.topk(c.num_experts_per_tok, dim=-1).indices  # [T, k]
+    topk_weights = scores.gather(1, topk_idx)
+    if c.norm_topk_prob:
+        topk_weights = topk_weights / (topk_weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return topk_idx, topk_weights * c.routed_scaling_factor
+
+
+def grouped_experts(experts: GroupedExperts, source: torch.Tensor, rows: np.ndarray, local: np.ndarray) -> torch.Tensor:
+    """Run each received token through its expert: source [R, D] holds the tokens at `rows` [N] (int64), routed to
+    local experts `local` [N] -> y [N, D], row i = expert local[i] applied to source[rows[i]].
+
+    Tokens are grouped per expert into a zero-padded [E_local, max_count, D] batch (padding reads source row 0 and
+    is never returned), so all experts run as two bmm's whatever the routing."""
+    n = len(rows)
+    if n == 0:
+        return source.new_empty(0, source.shape[1])
+    num_experts = experts.gate_up.shape[0]
+    counts = np.bincount(local, minlength=num_experts)
+    width = int(counts.max())
+    order = np.argsort(local, kind="stable")
+    starts = np.cumsum(counts) - counts
+    slot = np.empty(n, dtype=np.int64)
+    slot[order] = local[order] * width + np.arange(n) - starts[local[order]]  # padded slot of token i
+    padded_rows = np.zeros(num_experts * width, dtype=np.int64)
+    padded_rows[slot] = rows
+    xp = source.index_select(0, torch.from_numpy(padded_rows)).view(num_experts, width, -1)
+    gate_up = torch.bmm(xp, experts.gate_up)  # [E, width, 2I]
+    inter = experts.down.shape[1]
+    yp = torch.bmm(F.silu(gate_up[..., :inter]) * gate_up[..., inter:], experts.down)  # [E, width, D]
+    return yp.view(num_experts * width, -1).index_select(0, torch.from_numpy(slot))
+
+
+def slab_experts(experts: GroupedExperts | None, recv_x: torch.Tensor, out: torch.Tensor) -> None:
+    """Every local expert over its whole static receive slab: recv_x [E_local, rows, D] -> out (same shape). Rows
+    without a token hold stale data; their outputs are never sent back."""
+    if experts is None:  # an instance without experts receives no token
+        return
+    inter = experts.down.shape[1]
+    gate_up = torch.bmm(recv_x[: experts.gate_up.shape[0]], experts.gate_up)  # [E, rows, 2I]
+    torch.bmm(F.silu(gate_up[..., :inter]) * gate_up[..., inter:], experts.down, out=out[: experts.down.shape[0]])
+
+
+def final_logits(w: DecodeWeights, h: torch.Tensor) -> torch.Tensor:
+    """h [T, D] -> logits [T, vocab] (as models.logits)."""
+    return norm(h, w.norm, w.config.rms_norm_eps) @ w.lm_head

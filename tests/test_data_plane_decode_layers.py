@@ -1,0 +1,152 @@
+"""The eager decode path's prepared-weight math (data_plane/decode_layers.py) against the reference phase functions
+(models/deepseek_v3.py), on random inputs, for configs that take every branch (q_lora or plain q_proj, rope with
+and without interleave, absorbed or per-head W_UK / W_UV, grouped gates, shared experts); and the CPU shard
+attention backend against the reference paged attention."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from nanocp.data_plane import decode_layers as dl
+from nanocp.data_plane.backends.cpu_attention import CpuPagedAttention, fused_attention_unavailable_reason
+from nanocp.models import (
+    ModelConfig,
+    apply_rotary,
+    dense_mlp,
+    expert_ffn,
+    logits,
+    mla_decode_output,
+    mla_decode_qkv,
+    mla_paged_attention_with_lse,
+    moe_gate,
+    post_attention_norm,
+    random_weights,
+    shared_expert,
+)
+
+TINY = ModelConfig.tiny()
+CONFIGS = {
+    "tiny": TINY,
+    "plain": dataclasses.replace(
+        TINY, q_lora_rank=None, rope_scaling=None, n_group=1, topk_group=1, n_shared_experts=2, rope_interleave=False
+    ),
+}
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max() / b.abs().max().clamp(min=1e-30))
+
+
+@pytest.fixture(scope="module", params=[(name, absorb) for name in sorted(CONFIGS) for absorb in (True, False)])
+def prepared(request):
+    """(reference weights, prepared weights); absorb=False forces the per-head W_UK / W_UV products."""
+    name, absorb = request.param
+    model = random_weights(CONFIGS[name], seed=5)
+    ratio = dl.ABSORB_MAX_FLOP_RATIO
+    dl.ABSORB_MAX_FLOP_RATIO = ratio if absorb else 0.0
+    try:
+        weights = dl.DecodeWeights.build(model, local_experts=[3, 0, 7])
+    finally:
+        dl.ABSORB_MAX_FLOP_RATIO = ratio
+    assert all((layer.attn.w_uk is None) == absorb for layer in weights.layers)
+    return model, weights
+
+
+@pytest.mark.parametrize("rows", [1, 5, 16])
+def test_projection_and_output_equal_the_reference(prepared, rows):
+    model, weights = prepared
+    c = model.config
+    gen = torch.Generator().manual_seed(rows)
+    for layer, w in zip(model.layers, weights.layers):
+        h = torch.randn(rows, c.hidden_size, generator=gen)
+        positions = torch.randint(0, 5000, (rows,), generator=gen)
+        q_ref, kv_ref = mla_decode_qkv(layer, h, positions)
+        q, kv = dl.project(w, c, h, dl.RopeTable.at(weights.rope, positions))
+        assert q.shape == q_ref.shape and kv.shape == kv_ref.shape
+        assert rel_err(q, q_ref) < 1e-5 and rel_err(kv, kv_ref) < 1e-5
+        o = torch.randn(rows, c.num_attention_heads, c.kv_lora_rank, generator=gen)
+        assert rel_err(dl.add_attention_output(w, h, o), h + mla_decode_output(layer, o)) < 1e-5
+        assert torch.equal(dl.ffn_input(w, c, h), post_attention_norm(layer, h))
+
+
+def test_ffn_gate_and_logits_equal_the_reference(prepared):
+    model, weights = prepared
+    c = model.config
+    gen = torch.Generator().manual_seed(1)
+    x, h = torch.randn(9, c.hidden_size, generator=gen), torch.randn(9, c.hidden_size, generator=gen)
+    for layer, w in zip(model.layers, weights.layers):
+        if layer.moe is None:
+            assert rel_err(dl.add_mlp(w.mlp, x, h), h + dense_mlp(layer, x)) < 1e-5
+            continue
+        idx, weight = dl.moe_gate(w, c, x)
+        idx_ref, weight_ref = moe_gate(layer, x)
+        assert torch.equal(idx, idx_ref) and rel_err(weight, weight_ref) < 1e-6
+        assert rel_err(dl.add_mlp(w.shared, x, h), h + shared_expert(layer, x)) < 1e-5
+    assert rel_err(dl.final_logits(weights, h), logits(model, h)) < 1e-5
+
+
+@settings(max_examples=25, deadline=None)
+@given(tokens=st.integers(0, 12), sources=st.integers(1, 40), seed=st.integers(0, 2**16))
+def test_grouped_experts_apply_each_token_its_expert(tokens, sources, seed):
+    model = random_weights(TINY, seed=2)
+    local_experts = [5, 1, 12, 8]
+    layer = model.layers[-1]
+    grouped = dl.GroupedExperts.of([layer.moe.experts[e] for e in local_experts])
+    rng = np.random.default_rng(seed)
+    source = torch.from_numpy(rng.standard_normal((sources, TINY.hidden_size)).astype(np.float32))
+    rows = rng.integers(0, sources, tokens).astype(np.int64)
+    local = rng.integers(0, len(local_experts), tokens).astype(np.int64)
+    y = dl.grouped_experts(grouped, source, rows, local)
+    assert y.shape == (tokens, TINY.hidden_size)
+    for i in range(tokens):
+        want = expert_ffn(layer.moe.experts[local_experts[local[i]]], source[rows[i] : rows[i] + 1])[0]
+        assert rel_err(y[i], want) < 1e-5
+
+
+@pytest.mark.parametrize("interleave", [True, False])
+def test_pair_rotation_equals_the_reference_rope(interleave):
+    config = dataclasses.replace(TINY, rope_interleave=interleave)
+    rope = random_weights(config, seed=0).rope
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(6, 3, config.qk_rope_head_dim, generator=gen)
+    positions = torch.randint(0, 9000, (6,), generator=gen)
+    table = dl.RopeTable.at(rope, positions)
+    want = rope.apply(x, positions)
+    pairs = x[..., dl.rope_pair_order(config)]
+    assert rel_err(dl.rotate_pairs(pairs, table), want) < 1e-6
+    half = x.to(torch.bfloat16)  # the real-valued fallback (no complex bf16 on CPU)
+    got = dl.rotate_pairs(half[..., dl.rope_pair_order(config)], table)
+    assert got.dtype == torch.bfloat16
+    assert rel_err(got.float(), apply_rotary(half, *rope.cos_sin(positions), interleave).float()) < 1e-2
+
+
+@pytest.mark.skipif(fused_attention_unavailable_reason() is not None, reason="no fused CPU attention kernel")
+@settings(max_examples=25, deadline=None)
+@given(shards=st.integers(0, 6), page=st.sampled_from([1, 4, 16]), seed=st.integers(0, 2**16))
+def test_cpu_attention_backend_equals_the_reference(shards, page, seed):
+    gen = torch.Generator().manual_seed(seed)
+    heads, dqk, dv, frames = 4, 80, 64, 12
+    kv_pages = torch.randn(frames, page, dqk, generator=gen)
+    blocks = int(torch.randint(1, 4, (1,), generator=gen))
+    block_table = torch.randint(0, frames, (shards, blocks), generator=gen, dtype=torch.int32)
+    lens = torch.randint(0, blocks * page + 1, (shards,), generator=gen)
+    if shards:
+        lens[0] = 0  # an empty shard: o = 0, lse = -inf
+    q = torch.randn(shards, heads, dqk, generator=gen)
+    o, lse = CpuPagedAttention()(q, kv_pages, block_table, lens, 0.3, dv)
+    o_ref, lse_ref = mla_paged_attention_with_lse(q, kv_pages, block_table, lens, 0.3, dv)
+    assert o.shape == o_ref.shape and lse.shape == lse_ref.shape and lse.dtype == torch.float32
+    torch.testing.assert_close(o, o_ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lse, lse_ref, rtol=1e-5, atol=1e-5)
+    assert bool((lse[lens == 0] == float("-inf")).all())
+
+
+def test_cpu_attention_backend_rejects_lengths_past_its_pages():
+    with pytest.raises(ValueError, match="shard lengths"):
+        CpuPagedAttention().plan(torch.zeros(2, 1, dtype=torch.int32), torch.tensor([3, 9]), 4, torch.float32)
