@@ -16,6 +16,7 @@ Results equal the reference up to fp32 rounding (tests/test_data_plane_decode_la
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -27,6 +28,7 @@ from nanocp.models import DeepseekV3Weights, LayerWeights, MLPWeights, ModelConf
 from nanocp.models.deepseek_v3 import LATENT_NORM_EPS
 
 ABSORB_MAX_FLOP_RATIO = 2.0
+SEGMENT_MIN_ROWS = 64  # grouped experts: mean tokens per expert from which per-expert GEMMs beat padded bmm's
 _COMPLEX_ROPE_DTYPES = (torch.float32, torch.float64)
 
 
@@ -97,6 +99,16 @@ class DecodeWeights:
         layers = [_prepare_layer(layer, local_experts) for layer in model.layers]
         return cls(model.config, model.embed_tokens, layers, model.norm, model.lm_head.T.contiguous(), model.rope)
 
+    def with_experts(self, model: DeepseekV3Weights, local_experts: Sequence[int]) -> DecodeWeights:
+        """These prepared weights (the same tensors, not copies) with `model`'s routed experts `local_experts`."""
+        if model.config != self.config:
+            raise ValueError("shared decode weights belong to another model config")
+        layers = [
+            dataclasses.replace(w, experts=_stack_experts(layer, local_experts))
+            for w, layer in zip(self.layers, model.layers)
+        ]
+        return dataclasses.replace(self, layers=layers)
+
 
 def rope_pair_order(config: ModelConfig) -> torch.Tensor:
     """Permutation of the rope dims that puts each rotated pair (x1_i, x2_i) side by side."""
@@ -152,14 +164,19 @@ def _prepare_attention(layer: LayerWeights) -> DecodeAttentionWeights:
     )
 
 
+def _stack_experts(layer: LayerWeights, local_experts: Sequence[int]) -> GroupedExperts | None:
+    moe = layer.moe
+    if moe is None or not len(local_experts):
+        return None
+    missing = [e for e in local_experts if e not in moe.experts]
+    if missing:
+        raise ValueError(f"layer {layer.index}: local experts {missing} are not materialised")
+    return GroupedExperts.of([moe.experts[e] for e in local_experts])
+
+
 def _prepare_layer(layer: LayerWeights, local_experts: Sequence[int]) -> DecodeLayerWeights:
     moe = layer.moe
-    experts = None
-    if moe is not None and len(local_experts):
-        missing = [e for e in local_experts if e not in moe.experts]
-        if missing:
-            raise ValueError(f"layer {layer.index}: local experts {missing} are not materialised")
-        experts = GroupedExperts.of([moe.experts[e] for e in local_experts])
+    experts = _stack_experts(layer, local_experts)
     return DecodeLayerWeights(
         index=layer.index,
         input_norm=layer.input_norm,
@@ -279,29 +296,67 @@ def moe_gate(w: DecodeLayerWeights, c: ModelConfig, x: torch.Tensor) -> tuple[to
     return topk_idx, topk_weights * c.routed_scaling_factor
 
 
-def grouped_experts(experts: GroupedExperts, source: torch.Tensor, rows: np.ndarray, local: np.ndarray) -> torch.Tensor:
+def grouped_experts(
+    experts: GroupedExperts | None, source: torch.Tensor, rows: np.ndarray, local: np.ndarray
+) -> torch.Tensor:
     """Run each received token through its expert: source [R, D] holds the tokens at `rows` [N] (int64), routed to
     local experts `local` [N] -> y [N, D], row i = expert local[i] applied to source[rows[i]].
 
-    Tokens are grouped per expert into a zero-padded [E_local, max_count, D] batch (padding reads source row 0 and
-    is never returned), so all experts run as two bmm's whatever the routing."""
+    Small batches (decode) group the tokens per expert into a zero-padded [E_local, max_count, D] batch (padding
+    reads source row 0 and is never returned): all experts run as two bmm's whatever the routing. Large batches
+    (prefill, SEGMENT_MIN_ROWS tokens per expert on average) sort the tokens by expert and run one GEMM pair per
+    expert on its contiguous segment: no padding, and per-op overhead no longer matters."""
     n = len(rows)
     if n == 0:
         return source.new_empty(0, source.shape[1])
     num_experts = experts.gate_up.shape[0]
     counts = np.bincount(local, minlength=num_experts)
-    width = int(counts.max())
     order = np.argsort(local, kind="stable")
     starts = np.cumsum(counts) - counts
+    inter = experts.down.shape[1]
+    if n >= SEGMENT_MIN_ROWS * num_experts:
+        xs = source.index_select(0, torch.from_numpy(rows[order]))  # [N, D] sorted by expert
+        ys = torch.empty_like(xs)
+        for e in np.nonzero(counts)[0].tolist():
+            part = slice(int(starts[e]), int(starts[e] + counts[e]))
+            gate_up = xs[part] @ experts.gate_up[e]
+            torch.mm(F.silu(gate_up[:, :inter]) * gate_up[:, inter:], experts.down[e], out=ys[part])
+        inverse = np.empty(n, dtype=np.int64)
+        inverse[order] = np.arange(n)
+        return ys.index_select(0, torch.from_numpy(inverse))
+    width = int(counts.max())
     slot = np.empty(n, dtype=np.int64)
     slot[order] = local[order] * width + np.arange(n) - starts[local[order]]  # padded slot of token i
     padded_rows = np.zeros(num_experts * width, dtype=np.int64)
     padded_rows[slot] = rows
     xp = source.index_select(0, torch.from_numpy(padded_rows)).view(num_experts, width, -1)
     gate_up = torch.bmm(xp, experts.gate_up)  # [E, width, 2I]
-    inter = experts.down.shape[1]
     yp = torch.bmm(F.silu(gate_up[..., :inter]) * gate_up[..., inter:], experts.down)  # [E, width, D]
     return yp.view(num_experts * width, -1).index_select(0, torch.from_numpy(slot))
+
+
+def routed_experts_sum(
+    experts: GroupedExperts, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor
+) -> torch.Tensor:
+    """The routed part of a MoE layer with every expert local (the driver's prefill): x [T, D], topk_idx [T, k]
+    (all chosen), topk_weights [T, k] -> sum over k of weight * expert(x) [T, D], accumulated in fp32. The (token,
+    expert) pairs are sorted by expert, each expert runs one GEMM pair on its segment, and the weighted outputs are
+    added into their tokens' rows."""
+    t, k = topk_idx.shape
+    local = topk_idx.reshape(-1).cpu().numpy()
+    order = np.argsort(local, kind="stable")  # pairs by (expert, token)
+    counts = np.bincount(local, minlength=experts.gate_up.shape[0])
+    starts = np.cumsum(counts) - counts
+    token = torch.from_numpy(order // k)
+    xs = x.index_select(0, token)  # [T * k, D]
+    ys = torch.empty_like(xs, dtype=torch.float32)
+    inter = experts.down.shape[1]
+    for e in np.nonzero(counts)[0].tolist():
+        part = slice(int(starts[e]), int(starts[e] + counts[e]))
+        gate_up = xs[part] @ experts.gate_up[e]
+        ys[part] = (F.silu(gate_up[:, :inter]) * gate_up[:, inter:]) @ experts.down[e]
+    ys *= topk_weights.reshape(-1)[torch.from_numpy(order)].float()[:, None]
+    return torch.zeros(t, x.shape[1], dtype=torch.float32).index_add_(0, token, ys).to(x.dtype)
 
 
 def slab_experts(experts: GroupedExperts | None, recv_x: torch.Tensor, out: torch.Tensor) -> None:

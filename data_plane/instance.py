@@ -114,7 +114,10 @@ class DecodeInstance:
         timing: TimingLog | None = None,
         graphs: GraphEngine | None = None,
         backends: Backends | None = None,
+        shared: DecodeWeights | None = None,
     ) -> None:
+        """`shared`: prepared replicated weights to use instead of preparing this model's own (the same model:
+        instances of one process share them, each adds its routed experts)."""
         c = model.config
         self.rank = rank
         self.model = model
@@ -159,7 +162,10 @@ class DecodeInstance:
             missing = set(self.local_experts) - model.expert_ids
             if missing:
                 raise ValueError(f"instance {rank} must hold experts {sorted(missing)}")
-        self.weights = DecodeWeights.build(model, self.local_experts)
+        if shared is None:
+            self.weights = DecodeWeights.build(model, self.local_experts)
+        else:
+            self.weights = shared.with_experts(model, self.local_experts)
         self._seq = 0
         self._expert_out: torch.Tensor | None = None
         # The graph path keeps the pool's last frame as scratch: the scheduler's frames are the others, and the

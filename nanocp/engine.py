@@ -18,10 +18,12 @@ import torch
 
 from nanocp.control_plane import Admission, ClusterSpec, CPBucketTable, GlobalScheduler, IterationPlan
 from nanocp.data_plane.cluster import ClusterConfig, InstanceFailure, make_cluster
+from nanocp.data_plane.decode_layers import DecodeWeights
 from nanocp.data_plane.instance import InstanceLimits, RowInput, RowOutput
-from nanocp.data_plane.sampling import SamplingParams, sample_token
+from nanocp.data_plane.packed_prefill import prefill_packed
+from nanocp.data_plane.sampling import SamplingParams, sample_token, sample_tokens
 from nanocp.data_plane.timing import PhaseRecord
-from nanocp.models import load_config, load_model, load_tokenizer, prefill_forward, prefill_forward_packed
+from nanocp.models import load_config, load_model, load_tokenizer, prefill_forward
 from nanocp.prefill.handoff import KVDestination
 from nanocp.prefill.tier import CdspPrefillTier, PrefillRequest, TierConfig
 
@@ -132,6 +134,8 @@ class Engine:
         self.model_config = load_config(config.model)
         self.tokenizer = load_tokenizer(config.model)
         self.prefill_model = load_model(config.model, dtype=config.dtype)
+        # The driver's own prefill runs the eager decode path's prepared weights, every routed expert local.
+        self.prefill_weights = DecodeWeights.build(self.prefill_model, range(self.model_config.n_routed_experts))
         self.prefill_tier = None
         if config.prefill_instances:
             tier = TierConfig(
@@ -312,8 +316,8 @@ class Engine:
             requests = [PrefillRequest(a.rid, contexts[a.rid], destinations[a.rid], a.recompute) for a in admitted]
             last_logits = self.prefill_tier.prefill(requests, self.cluster)  # the KV is in the pages on return
         else:
-            outs = prefill_forward_packed(
-                self.prefill_model, [torch.tensor(contexts[a.rid], dtype=torch.int64) for a in admitted]
+            outs = prefill_packed(
+                self.prefill_weights, [torch.tensor(contexts[a.rid], dtype=torch.int64) for a in admitted]
             )
             last_logits = {}
             for adm, out in zip(admitted, outs):
@@ -321,13 +325,19 @@ class Engine:
                     self.cluster.write_kv(w.instance, list(w.frames), w.start_slot, out.kv[:, w.row_lo : w.row_hi])
                 last_logits[adm.rid] = out.logits[-1]
         now = time.monotonic()
+        fresh = []  # requests whose first output token this prefill samples
         for adm in admitted:
             req = self.requests[adm.rid]
             if adm.recompute or req.resume:  # KV rebuilt for a request that already has its next input token
                 req.resume = False
             else:
-                first = sample_token(last_logits[adm.rid], req.params, 0, req.seed)
-                self._append(req, first, last_logits[adm.rid].clone() if req.keep_logits else None, now)
+                fresh.append(req)
+        if not fresh:
+            return
+        first_logits = torch.stack([last_logits[req.rid] for req in fresh])  # [n, vocab]
+        firsts = sample_tokens(first_logits, [r.params for r in fresh], [0] * len(fresh), [r.seed for r in fresh])
+        for req, first, row in zip(fresh, firsts, first_logits):
+            self._append(req, first, row.clone() if req.keep_logits else None, now)
 
     def _append(self, req: _Request, token: int, logits: torch.Tensor | None, now: float) -> None:
         if req.metrics.first_token_time is None:
