@@ -17,9 +17,15 @@ Deterministic tie-breaking everywhere: instances order by (queue time, index); n
 SP sizes ascend and a larger size replaces the current choice only when strictly better by the improvement rate;
 SP pairs run (s_current ascending, then s_next ascending) and a chunked plan replaces the best one only when its TTFT
 is strictly smaller (so the result is the earliest plan, in that order, with the smallest TTFT); among attention
-modes with equal latency the first model given wins. Both implementations skip pairs that provably cannot beat the
-best plan (a lower bound of Eq. 1, see `_cannot_win`); the C++ core also explores the pairs best-first by that bound
-and breaks TTFT ties by the order above, so it returns exactly the same plan.
+modes with equal latency the first model given wins.
+
+Pruning never changes a plan: both implementations skip the chunked plans of a level, and single pairs, whose TTFT
+provably cannot beat the best plan found (`_lower_bound`: the groups a chain of GetGroup calls can build are ready no
+earlier than `_ready_times`, and the work before the last chunk must fit in the instance-seconds of the groups ready by
+then). The C++ core also explores the pairs best-first by that bound (or by the child's own single-chunk TTFT, which
+it computes in the parent), skips a pair whose child has the same chunk and single-chunk group as an earlier pair's
+(that child's plans are a subset), answers repeated sub-problems from a memo and breaks TTFT ties by the order above,
+so it returns exactly the same plan.
 
 All times are seconds from the moment of planning.
 """
@@ -30,7 +36,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from nanocp.prefill.latency_model import PrefillLatencyModel, largest_len_within
+from nanocp.prefill.latency_model import LatencyCoeffs, PrefillLatencyModel, largest_len_within
 
 POLICIES = ("cdsp", "fixed", "elastic")
 
@@ -156,6 +162,7 @@ class CdspPlanner:
         self.models = _as_models(models)
         self.config = config
         self.prune = prune
+        self._works: dict[tuple[int, ...], list[tuple[float, float, float, float]]] = {}
         self.sizes = sp_candidates(self.models, config)
         if not self.sizes:
             raise PlannerError("no SP size is both a power of two <= max_sp and present in the latency models")
@@ -254,12 +261,19 @@ class CdspPlanner:
         if not self.config.chunking:
             return best
         cdsp_sizes = [s for s in sizes if s <= len(group)]
+        if len(cdsp_sizes) < 2:
+            return best
+        if self.prune:  # no chunked plan of this level can beat the single-chunk plan
+            ready = self._ready_times(pool, initial, cdsp_sizes)
+            if _beyond(t0 + self._lower_bound(cdsp_sizes, tokens, context, ready, 0.0), best.ttft):
+                return best
         sub_pool = {i: pool[i] for i in group}
         for k, s_cur in enumerate(cdsp_sizes):
             current = self._get_group(sub_pool, initial, s_cur)
             if current is None:
                 continue
             queue_cur = max(sub_pool[i] for i in current)
+            ready = self._ready_times(sub_pool, current, cdsp_sizes[k + 1 :]) if self.prune else {}
             for s_next in cdsp_sizes[k + 1 :]:
                 nxt = self._get_group(sub_pool, current, s_next)
                 if nxt is None:
@@ -273,7 +287,9 @@ class CdspPlanner:
                 end_rel = queue_cur + prefill
                 next_sizes = [s for s in cdsp_sizes if s >= s_next]
                 rest, next_context, next_t0 = tokens - length, context + length, t0 + end_rel
-                if self.prune and self._cannot_win(next_sizes, rest, next_context, next_t0, sub_pool, end_rel, best):
+                if self.prune and _beyond(
+                    next_t0 + self._lower_bound(next_sizes, rest, next_context, ready, end_rel), best.ttft
+                ):
                     continue
                 chunk = Chunk(length, context, tuple(current), t0 + queue_cur, t0 + end_rel, attention)
                 # Eq. 2: re-base the queue times on the end of this chunk.
@@ -283,38 +299,122 @@ class CdspPlanner:
                     best = result
         return best
 
-    def _cannot_win(
-        self,
-        sizes: list[int],
-        tokens: int,
-        context: int,
-        t0: float,
-        sub_pool: dict[int, float],
-        shift: float,
-        best: _Best,
-    ) -> bool:
-        """Branch-and-bound test that never changes the result: True if no plan of the remaining `tokens`
-        (starting at t0, pool = `sub_pool` re-based by `shift`) can end before `best`.
+    # --- pruning bound (never changes a plan) ------------------------------------------------------------------
+    def _ready_times(self, pool: dict[int, float], initial: Sequence[int], sizes: Sequence[int]) -> dict[int, float]:
+        """Per size: a lower bound of the longest queue of any group of that size that a chain of GetGroup calls can
+        grow from `initial` inside `pool`.
 
-        If the last chunk of such a plan runs on s_f instances, every chunk uses between sizes[0] and s_f
-        instances, so the work takes at least the lower envelope of Eq. 1 over those sizes (a*, b*, c* = minima,
-        m* = min(d*, c*/2): superadditive, so chunking cannot beat it); and the last chunk cannot start before
-        the s_f-th shortest re-based queue time. The plan ends no earlier than the smaller over s_f of the
-        larger of the two.
+        Such a group either stays inside the initial group's nodes (then it holds the shortest free queues there) or
+        holds all of those nodes plus, from the other nodes, some of their shortest queues. GetGroup adds a node
+        partly only when the remaining need is smaller than a node, and fills it before taking new ones; so if the
+        other nodes have one size k and every size s with s - own >= k has s - own a multiple of k, they come whole
+        beyond one partial node.
         """
-        queues = sorted(max(0.0, t - shift) for t in sub_pool.values())
+        per_node = self.config.instances_per_node
+        chosen = set(initial)
+        own_nodes = {i // per_node for i in initial}
+        init_queue = max((pool[i] for i in initial), default=-math.inf)
+        free = sorted(t for i, t in pool.items() if i // per_node in own_nodes and i not in chosen)
+        own = len(chosen) + len(free)
+        own_max = max([init_queue] + free[-1:])
+        nodes: dict[int, list[float]] = {}
+        for i, t in pool.items():
+            if i // per_node not in own_nodes:
+                nodes.setdefault(i // per_node, []).append(t)
+        members = [sorted(queues) for queues in nodes.values()]
+        k = len(members[0]) if members else 0
+        whole = k > 0 and all(len(m) == k for m in members)
+        whole = whole and all((s - own) % k == 0 for s in sizes if s - own >= k)
+        longest = sorted(m[-1] for m in members)
+        others = sorted(t for m in members for t in m)
+        ready = {}
+        for s in sizes:
+            if s <= len(chosen):
+                ready[s] = init_queue
+            elif s <= own:
+                ready[s] = max(init_queue, free[s - len(chosen) - 1])
+            elif s - own > len(others):
+                ready[s] = math.inf  # no group of this size exists
+            elif whole and s - own < k:  # part of one more node
+                ready[s] = max(own_max, min(m[s - own - 1] for m in members))
+            elif whole:
+                ready[s] = max(own_max, longest[(s - own) // k - 1])
+            else:
+                ready[s] = max(own_max, others[s - own - 1])
+        return ready
+
+    def _lower_bound(self, sizes: list[int], tokens: int, context: int, ready: dict[int, float], shift: float) -> float:
+        """Lower bound of the TTFT, relative to the origin re-based by `shift` (Eq. 2), of any plan of the remaining
+        `tokens` whose chunks use SP sizes from `sizes`, each group of size s ready no earlier than ready[s].
+
+        For a plan whose last chunk has s_f instances: all its work runs after the first chunk's group is ready, at
+        no less than the envelope of Eq. 1 over the sizes used (superadditive, so chunking cannot beat it); and the
+        last chunk starts once its group is ready, after the earlier (smaller) chunks did at most the work that fits
+        in the instance-seconds of the groups ready by then, or later by the extra work over the largest earlier
+        size. The bound is the smallest over s_f.
+        """
+        r = {s: max(0.0, ready[s] - shift) for s in sizes}
         lower = math.inf
-        for f, s_last in enumerate(sizes):
+        for f in reversed(range(len(sizes))):  # large last chunks usually give the bound
+            s_f = sizes[f]
             a, b, c, m = self._envelope(sizes[: f + 1])
-            work = a + b * tokens + c * context * tokens + m * tokens * tokens
-            last_start = queues[s_last - 1] + min(k.coeffs[s_last].a for k in self.models if s_last in k.coeffs)
-            lower = min(lower, max(work, last_start))
-        return t0 + lower * (1.0 - 1e-9) > best.ttft * (1.0 + 1e-12)
+            work = r[sizes[0]] + a + b * tokens + c * context * tokens + m * tokens * tokens
+            if work >= lower or r[s_f] + min(k.coeffs[s_f].a for k in self.models if s_f in k.coeffs) >= lower:
+                continue
+            if f == 0:
+                tail = r[s_f] + self._last_chunk_min(s_f, context, tokens, 0.0, 0.0)
+            else:
+                cap, earliest = 0.0, math.inf  # instance-seconds of sizes < s_f before r[s_f]
+                for j in reversed(range(f)):
+                    earliest = min(earliest, r[sizes[j]])
+                    cap += (sizes[j] - (sizes[j - 1] if j > 0 else 0)) * max(0.0, r[s_f] - earliest)
+                works = self._work_envelopes(tuple(sizes[:f]))
+                done = 0.0  # most tokens the earlier chunks can finish by r[s_f]
+                for wa, wb, wc, wm in works:
+                    if cap > wa:
+                        p = wb + wc * context
+                        root = p + math.sqrt(p * p + 4.0 * wm * (cap - wa))
+                        done = max(done, min(tokens, 2.0 * (cap - wa) / root) if root > 0 else tokens)
+                tail = r[s_f] + self._last_chunk_min(s_f, context, tokens, 0.0, done)
+                if done < tokens:
+                    for wa, wb, wc, wm in works:
+                        extra = ((wa - cap) / sizes[f - 1], (wb + wc * context) / sizes[f - 1], wm / sizes[f - 1])
+                        tail = min(tail, r[s_f] + self._last_chunk_min(s_f, context, tokens, done, tokens, extra))
+            lower = min(lower, max(work, tail))
+        return lower
+
+    def _last_chunk_min(
+        self, sp: int, context: int, tokens: int, x0: float, x1: float, extra: tuple[float, float, float] = (0, 0, 0)
+    ) -> float:
+        """min over X in [x0, x1] of T_sp(context + X, tokens - X) + e0 + e1 X + e2 X^2 (a quadratic in X)."""
+        return min(_shifted_min(m.coeffs[sp], context, tokens, x0, x1, extra) for m in self.models if sp in m.coeffs)
 
     def _envelope(self, sizes: list[int]) -> tuple[float, float, float, float]:
         coeffs = [m.coeffs[s] for s in sizes for m in self.models if s in m.coeffs]
         c = min(k.c for k in coeffs)
         return min(k.a for k in coeffs), min(k.b for k in coeffs), c, min(min(k.d for k in coeffs), c / 2.0)
+
+    def _work_envelopes(self, sizes: tuple[int, ...]) -> list[tuple[float, float, float, float]]:
+        """Instance-seconds (s * latency) of chunks on `sizes`, one envelope per set of attention modes a plan may
+        use: a = the largest per-chunk overhead s * a_s among the set (each mode used runs at least one chunk),
+        b, c, m = minima over the set, m <= c / 2."""
+        if sizes not in self._works:
+            per_mode = []
+            for model in self.models:
+                ks = [(s, model.coeffs[s]) for s in sizes if s in model.coeffs]
+                if ks:
+                    per_mode.append(tuple(min(s * getattr(k, name) for s, k in ks) for name in "abcd"))
+            if len(per_mode) > 4:  # too many mode sets: one envelope with the smallest overhead
+                sets = [per_mode]
+            else:
+                sets = [[w for j, w in enumerate(per_mode) if mask >> j & 1] for mask in range(1, 1 << len(per_mode))]
+            works = []
+            for ws in sets:
+                overhead = min(w[0] for w in ws) if len(per_mode) > 4 else max(w[0] for w in ws)
+                c = min(w[2] for w in ws)
+                works.append((overhead, min(w[1] for w in ws), c, min(min(w[3] for w in ws), c / 2.0)))
+            self._works[sizes] = works
+        return self._works[sizes]
 
     # --- public pieces for chunk-at-a-time schedulers (queue_policy.py) ----------------------------------------
     def prefill_latency(self, sp: int, context: int, tokens: int) -> tuple[float, str]:
@@ -378,6 +478,28 @@ class CdspPlanner:
             best = self._schedule(length, [], 0, [], self.sizes, pool, 0.0)
         updates = {i: best.ttft for i in best.chunks[-1].instances}
         return ChunkPlan(best.chunks, best.ttft, updates)
+
+
+def _shifted_min(
+    k: LatencyCoeffs, context: int, tokens: int, x0: float, x1: float, extra: tuple[float, float, float]
+) -> float:
+    """min over X in [x0, x1] of k(context + X, tokens - X) + e0 + e1 X + e2 X^2: endpoints, or the vertex."""
+    e0, e1, e2 = extra
+
+    def value(x: float) -> float:
+        return k(context + x, tokens - x) + e0 + e1 * x + e2 * x * x
+
+    q2 = k.d - k.c + e2
+    q1 = -k.b + k.c * (tokens - context) - 2.0 * k.d * tokens + e1
+    best = min(value(x0), value(x1))
+    if q2 > 0 and x0 < -q1 / (2.0 * q2) < x1:
+        best = min(best, value(-q1 / (2.0 * q2)))
+    return best
+
+
+def _beyond(lower: float, best: float) -> bool:
+    """A plan whose TTFT is at least `lower` (up to a rounding margin) cannot beat `best`."""
+    return lower * (1.0 - 1e-9) > best * (1.0 + 1e-12)
 
 
 def _check_inputs(config: PlannerConfig, length: int, queue_times: Sequence[float]) -> list[float]:
