@@ -24,6 +24,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "handle_map.h"
 #include "page_table.h"
 
 namespace nanocp::sched {
@@ -290,7 +291,7 @@ class SchedulerCore {
 
   std::vector<Request> reqs_;  // slot pool
   std::vector<int32_t> free_slots_;
-  std::unordered_map<int64_t, int32_t> slot_of_handle_;
+  HandleMap slot_of_handle_;
   std::vector<int32_t> running_;      // slots in batch (= admission) order; -1 = removed (a hole, compacted lazily;
                                       // never last)
   std::vector<BatchRec> rec_;         // the record of each running_ entry

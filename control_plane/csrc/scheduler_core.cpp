@@ -151,8 +151,7 @@ SchedulerCore::SchedulerCore(int64_t num_nodes, int64_t instances_per_node, int6
 // ------------------------------------------------------------------ requests in and out
 
 int32_t SchedulerCore::slot_of(int64_t handle) const {
-  auto it = slot_of_handle_.find(handle);
-  return it == slot_of_handle_.end() ? -1 : it->second;
+  return slot_of_handle_.find(handle);
 }
 
 const Request& SchedulerCore::request(int64_t handle) {
@@ -206,7 +205,7 @@ void SchedulerCore::add_request(int64_t handle, int64_t prompt_len, int64_t max_
   r.nshards = 0;
   r.preempted_at = -1;
   r.uid = uid_counter_++;
-  slot_of_handle_.emplace(handle, slot);
+  slot_of_handle_.insert(handle, slot);
   waiting_.push_back({slot, r.uid});
   ++num_waiting_;
   if (max_new_tokens == 1) ++waiting_single_token_;

@@ -108,7 +108,12 @@ void SchedulerCore::check_invariants() {
     require(r.nshards == 0 && r.moe == -1, "waiting request holds KV");
     ++live_waiting;
   }
-  for (const Request& r : reqs_) live += r.status != kFree;
+  for (size_t slot = 0; slot < reqs_.size(); ++slot) {
+    const Request& r = reqs_[slot];
+    if (r.status == kFree) continue;
+    ++live;
+    require(slot_of_handle_.find(r.handle) == int32_t(slot), "handle map names another slot");
+  }
   require(live_waiting == num_waiting_, "num_waiting out of date");
   require(live == int64_t(running_.size()) + num_waiting_, "waiting and running do not cover the requests");
   require(int64_t(slot_of_handle_.size()) == live, "handle map out of date");
