@@ -176,15 +176,19 @@ class SchedulerCore {
     int64_t admit_seq;
     int32_t slot;
   };
+  struct Entry {  // a calendar entry's request: its slot and uid, and its batch position as of compaction `epoch`
+    int64_t uid;
+    int64_t epoch;
+    int32_t slot;
+    int32_t pos;
+  };
   struct PageDue {  // growth calendar: the request's tail page is full once the growth clock passes `clock`
     int64_t clock;
-    int64_t uid;
-    int32_t slot;
+    Entry who;
   };
   struct BudgetDue {  // the request runs out of decode budget once the growth clock reaches due_at
     int64_t due_at;
-    int64_t uid;
-    int32_t slot;
+    Entry who;
     bool operator>(const BudgetDue& o) const { return due_at > o.due_at; }
   };
   struct Event {  // a running request the growth pass must visit, by batch position
@@ -221,6 +225,8 @@ class SchedulerCore {
   int64_t full_at(const BatchRec& b) const { return int64_t(b.blocks) * shape_.page_size - b.tokens_off; }
   void track(size_t pos);  // enter the record's page-full clock (and, with `budget`, its due_at) in the calendars
   void track_budget(size_t pos);
+  Entry entry(size_t pos) const { return {reqs_[running_[pos]].uid, compactions_, running_[pos], int32_t(pos)}; }
+  int64_t locate(const Entry& e) const;  // the entry's batch position now, -1 if it left the batch
   bool collect_events(int64_t done, int64_t steps_after);
   bool events_fit(int64_t done, int64_t steps);
 
@@ -296,6 +302,7 @@ class SchedulerCore {
                                       // never last)
   std::vector<BatchRec> rec_;         // the record of each running_ entry
   int64_t running_dead_ = 0;
+  int64_t compactions_ = 0;  // compactions so far: batch positions hold between two
   std::vector<Ref> waiting_;  // queue order; stale entries are skipped and dropped at admission
   int64_t num_waiting_ = 0;
   int64_t waiting_single_token_ = 0;  // waiting requests with max_new_tokens == 1

@@ -290,6 +290,7 @@ void SchedulerCore::compact_running(bool force) {
   running_.resize(keep);
   rec_.resize(keep);
   running_dead_ = 0;
+  ++compactions_;
 }
 
 std::vector<int64_t> SchedulerCore::batch_handles() {
@@ -454,42 +455,45 @@ void SchedulerCore::grow_all() {
 
 void SchedulerCore::track(size_t pos) {
   if (!calendar_) return;
-  const BatchRec& b = rec_[pos];
-  const int32_t slot = running_[pos];
-  const int64_t clock = full_at(b);
-  page_due_[size_t(clock) % page_due_.size()].push_back({clock, reqs_[slot].uid, slot});
+  const int64_t clock = full_at(rec_[pos]);
+  page_due_[size_t(clock) % page_due_.size()].push_back({clock, entry(pos)});
 }
 
 void SchedulerCore::track_budget(size_t pos) {
   if (!calendar_) return;
-  const int32_t slot = running_[pos];
-  budget_due_.push_back({rec_[pos].due_at, reqs_[slot].uid, slot});
+  budget_due_.push_back({rec_[pos].due_at, entry(pos)});
   std::push_heap(budget_due_.begin(), budget_due_.end(), std::greater<BudgetDue>());
+}
+
+// Without a compaction since the entry was made, its position still names its batch entry (a request that left
+// makes a hole or is popped; one appended there later may reuse its slot: then the event is a harmless extra visit,
+// the growth of a visited request is the same). After one, the request itself gives its position.
+int64_t SchedulerCore::locate(const Entry& e) const {
+  if (e.epoch == compactions_)
+    return size_t(e.pos) < running_.size() && running_[size_t(e.pos)] == e.slot ? e.pos : -1;
+  const Request& r = reqs_[e.slot];
+  return r.uid == e.uid && r.status == kRunning ? r.pos : -1;
 }
 
 // The running requests whose tail page fills or whose decode budget ends by steps_after, into events_ in batch
 // order (stale calendar entries, of requests that finished, moved or were re-admitted since, are dropped).
 bool SchedulerCore::collect_events(int64_t done, int64_t steps_after) {
   events_.clear();
-  auto live = [&](int32_t slot, int64_t uid) -> const BatchRec* {
-    const Request& r = reqs_[slot];
-    return r.uid == uid && r.status == kRunning ? &rec_[size_t(r.pos)] : nullptr;
+  auto add = [&](int64_t pos) {
+    const int32_t slot = running_[size_t(pos)];
+    events_.push_back({int32_t(pos), slot});
+    prefetch_lines(slot);  // the visit reads the request: start the misses now, all of them overlap
   };
   const size_t buckets = page_due_.size();
   const int64_t span = std::min<int64_t>(steps_after - done, int64_t(buckets));
-  // The entries name requests all over the pool: fetch them all first so that the misses overlap.
-  for (int64_t c = done; c < done + span; ++c)
-    for (const PageDue& e : page_due_[size_t(c) % buckets]) prefetch_lines(e.slot);
   for (int64_t c = done; c < done + span; ++c) {
     std::vector<PageDue>& bucket = page_due_[size_t(c) % buckets];
     size_t keep = 0;
     for (const PageDue& e : bucket) {
-      const BatchRec* b = live(e.slot, e.uid);
-      if (!b || full_at(*b) != e.clock) continue;  // stale
-      if (e.clock < steps_after) {
-        events_.push_back({reqs_[e.slot].pos, e.slot});
-        __builtin_prefetch(reqs_[e.slot].first.frames.end());  // where its new frame goes
-      }
+      const int64_t pos = locate(e.who);
+      if (pos < 0 || full_at(rec_[size_t(pos)]) != e.clock) continue;  // stale
+      if (e.clock < steps_after)
+        add(pos);
       else
         bucket[keep++] = e;  // a later round of this bucket
     }
@@ -499,8 +503,8 @@ bool SchedulerCore::collect_events(int64_t done, int64_t steps_after) {
     const BudgetDue e = budget_due_.front();
     std::pop_heap(budget_due_.begin(), budget_due_.end(), std::greater<BudgetDue>());
     budget_due_.pop_back();
-    const BatchRec* b = live(e.slot, e.uid);
-    if (b && b->due_at == e.due_at) events_.push_back({reqs_[e.slot].pos, e.slot});
+    const int64_t pos = locate(e.who);
+    if (pos >= 0 && rec_[size_t(pos)].due_at == e.due_at) add(pos);
   }
   std::sort(events_.begin(), events_.end());
   events_.erase(std::unique(events_.begin(), events_.end()), events_.end());
@@ -529,6 +533,7 @@ void SchedulerCore::grow_events(int64_t done, int64_t steps) {
   growth_clock_ = done + steps;
   for (int i = 0; i < shape_.num_instances; ++i) kv_tokens_[size_t(i)] += steps * moe_batch_[size_t(i)];
   for (size_t e = 0; e < events_.size(); ++e) {
+    if (e + 4 < events_.size()) __builtin_prefetch(reqs_[events_[e + 4].slot].first.frames.end());  // its new frame
     const size_t pos = size_t(events_[e].pos);
     BatchRec& b = rec_[pos];
     const int64_t before = full_at(b);

@@ -25,7 +25,7 @@ void SchedulerCore::check_invariants() {
   int64_t multi_shard = 0;
   require(rec_.size() == running_.size(), "batch records out of date");
   std::set<std::tuple<int32_t, int64_t, int64_t>> budget_keys;
-  for (const BudgetDue& e : budget_due_) budget_keys.insert({e.slot, e.uid, e.due_at});
+  for (const BudgetDue& e : budget_due_) budget_keys.insert({e.who.slot, e.who.uid, e.due_at});
   for (size_t g = 0; g < running_.size(); ++g) {
     const int32_t slot = running_[g];
     const Request& r = reqs_[slot];
@@ -75,7 +75,7 @@ void SchedulerCore::check_invariants() {
       require(clock >= growth_clock_ && clock - growth_clock_ < page, "page-full clock outside the next page");
       bool paged = false, budgeted = false;
       for (const PageDue& e : page_due_[size_t(clock) % page_due_.size()])
-        paged |= e.slot == slot && e.uid == r.uid && e.clock == clock;
+        paged |= e.who.slot == slot && e.who.uid == r.uid && e.clock == clock && locate(e.who) == int64_t(g);
       budgeted = budget_keys.count({slot, r.uid, r.due_at}) > 0;
       require(paged, "growth calendar misses a running request's page-full clock");
       require(budgeted || decode_steps(r) >= r.max_new_tokens - 1, "growth calendar misses a decode budget");
