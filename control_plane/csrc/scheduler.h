@@ -94,7 +94,6 @@ static_assert(sizeof(Shard) + 4 * sizeof(int32_t) + sizeof(int64_t) == 64, "the 
 // its tail shard's token count and its window live here; SchedulerCore::sync copies them into the Request.
 struct BatchRec {
   int64_t tokens_off = 0;  // tokens of the tail shard (on the MoE instance) minus the growth clock
-  int64_t due_at = 0;      // copy of Request::due_at
   int32_t blocks = 0;      // frames of the tail shard
   int32_t moe = -1;        // copy of Request::moe
   int32_t slot = -1;       // the tail shard's block-table slot (-1: not handed out yet)
@@ -102,7 +101,7 @@ struct BatchRec {
   int32_t window_at = -1;  // low 32 bits of the iteration whose growth set `window`
   int8_t lower_fast = 0;   // one shard, every frame listed, slot known: lowering needs nothing else
 };
-static_assert(sizeof(BatchRec) == 40, "dense batch records");
+static_assert(sizeof(BatchRec) == 32, "dense batch records");
 
 // An int32 output buffer shared with numpy; reused once Python has dropped every view of it.
 struct TableBuffer {
@@ -301,6 +300,7 @@ class SchedulerCore {
   std::vector<int32_t> running_;      // slots in batch (= admission) order; -1 = removed (a hole, compacted lazily;
                                       // never last)
   std::vector<BatchRec> rec_;         // the record of each running_ entry
+  std::vector<int64_t> rec_due_;      // Request::due_at of each running_ entry (growth reads it, lowering does not)
   int64_t running_dead_ = 0;
   int64_t compactions_ = 0;  // compactions so far: batch positions hold between two
   std::vector<Ref> waiting_;  // queue order; stale entries are skipped and dropped at admission

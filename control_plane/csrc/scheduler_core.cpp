@@ -251,7 +251,6 @@ BatchRec SchedulerCore::make_rec(const Request& r) const {
   BatchRec b;
   b.tokens_off = tail.tokens - growth_clock_;
   b.blocks = tail.frames.size();
-  b.due_at = r.due_at;
   b.moe = r.moe;
   b.slot = tail.slot;
   b.window = r.window;
@@ -266,9 +265,11 @@ void SchedulerCore::remove_running(int32_t slot) {
   if (pos + 1 == running_.size()) {
     running_.pop_back();
     rec_.pop_back();
+    rec_due_.pop_back();
     while (!running_.empty() && running_.back() < 0) {  // never end in a hole: back() is the newest request
       running_.pop_back();
       rec_.pop_back();
+      rec_due_.pop_back();
       --running_dead_;
     }
   } else {
@@ -285,10 +286,12 @@ void SchedulerCore::compact_running(bool force) {
     if (running_[k] < 0) continue;
     if (keep != k) reqs_[running_[k]].pos = int32_t(keep);
     running_[keep] = running_[k];
+    rec_due_[keep] = rec_due_[k];
     rec_[keep++] = rec_[k];
   }
   running_.resize(keep);
   rec_.resize(keep);
+  rec_due_.resize(keep);
   running_dead_ = 0;
   ++compactions_;
 }
@@ -461,7 +464,7 @@ void SchedulerCore::track(size_t pos) {
 
 void SchedulerCore::track_budget(size_t pos) {
   if (!calendar_) return;
-  budget_due_.push_back({rec_[pos].due_at, entry(pos)});
+  budget_due_.push_back({rec_due_[pos], entry(pos)});
   std::push_heap(budget_due_.begin(), budget_due_.end(), std::greater<BudgetDue>());
 }
 
@@ -504,7 +507,7 @@ bool SchedulerCore::collect_events(int64_t done, int64_t steps_after) {
     std::pop_heap(budget_due_.begin(), budget_due_.end(), std::greater<BudgetDue>());
     budget_due_.pop_back();
     const int64_t pos = locate(e.who);
-    if (pos >= 0 && rec_[size_t(pos)].due_at == e.due_at) add(pos);
+    if (pos >= 0 && rec_due_[size_t(pos)] == e.due_at) add(pos);
   }
   std::sort(events_.begin(), events_.end());
   events_.erase(std::unique(events_.begin(), events_.end()), events_.end());
@@ -517,7 +520,7 @@ bool SchedulerCore::events_fit(int64_t done, int64_t steps) {
   fill_.assign(size_t(shape_.num_instances), 0);
   for (const Event& e : events_) {
     const BatchRec& b = rec_[size_t(e.pos)];
-    const int64_t left = b.due_at - done;
+    const int64_t left = rec_due_[size_t(e.pos)] - done;
     const int64_t w = left < steps ? std::max<int64_t>(left, 1) : steps;
     const int64_t after = b.tokens_off + growth_clock_ + w;
     if (after > int64_t(b.blocks) * page) fill_[size_t(b.moe)] += ceil_div(after, page) - b.blocks;
@@ -553,7 +556,8 @@ void SchedulerCore::grow_scan(int64_t done, int64_t steps) {
   for (size_t k = 0; k < n; ++k) {
     if (k + kFar < n) {  // the line of a request likely to need a page or to finish
       const BatchRec& ahead = rec_[k + kFar];
-      if (ahead.tokens_off + done + steps > ahead.blocks * page || done + steps >= ahead.due_at) prefetch_request(k);
+      if (ahead.tokens_off + done + steps > ahead.blocks * page || done + steps >= rec_due_[k + kFar])
+        prefetch_request(k);
     }
     if (running_[k] < 0) continue;  // a hole left by a finished request
     const int64_t before = full_at(rec_[k]);
@@ -572,7 +576,7 @@ void SchedulerCore::grow_scan(int64_t done, int64_t steps) {
 // sooner) in its tail page, else a new page or another instance (grow_request). False if it preempted itself.
 bool SchedulerCore::grow_one(size_t k, int64_t done, int64_t steps) {
   BatchRec& b = rec_[k];
-  const int64_t left = b.due_at - done;  // decode steps the request has left
+  const int64_t due_at = rec_due_[k], left = due_at - done;  // decode steps the request has left
   const int64_t w = left < steps ? std::max<int64_t>(left, 1) : steps;
   const int64_t after = rec_tokens(b) + w;
   if (after <= int64_t(b.blocks) * shape_.page_size && after <= group_tokens_) {
@@ -583,7 +587,7 @@ bool SchedulerCore::grow_one(size_t k, int64_t done, int64_t steps) {
   } else if (!grow_request(k, w)) {
     return false;
   }
-  if (done + steps >= b.due_at) due_.push_back({running_[k], reqs_[running_[k]].uid});
+  if (done + steps >= due_at) due_.push_back({running_[k], reqs_[running_[k]].uid});
   return true;
 }
 
@@ -778,6 +782,7 @@ void SchedulerCore::commit(int32_t slot, int moe, int64_t window) {
   r.pos = int32_t(running_.size());
   running_.push_back(slot);
   rec_.push_back(make_rec(r));
+  rec_due_.push_back(r.due_at);
   track(rec_.size() - 1);
   track_budget(rec_.size() - 1);
   --num_waiting_;

@@ -23,7 +23,7 @@ void SchedulerCore::check_invariants() {
   for (int i = 0; i < n; ++i) slot_seen[i].assign(size_t(slots_[i].high()), 0);
   std::vector<std::vector<char>> frame_seen(n, std::vector<char>(shape_.frames_per_instance, 0));
   int64_t multi_shard = 0;
-  require(rec_.size() == running_.size(), "batch records out of date");
+  require(rec_.size() == running_.size() && rec_due_.size() == running_.size(), "batch records out of date");
   std::set<std::tuple<int32_t, int64_t, int64_t>> budget_keys;
   for (const BudgetDue& e : budget_due_) budget_keys.insert({e.who.slot, e.who.uid, e.due_at});
   for (size_t g = 0; g < running_.size(); ++g) {
@@ -59,7 +59,7 @@ void SchedulerCore::check_invariants() {
     }
     require(r.due_at == r.max_new_tokens - 1 - r.decode_base, "decode budget out of date");
     const BatchRec want = make_rec(r), &got = rec_[g];
-    require(got.tokens_off == want.tokens_off && got.blocks == want.blocks && got.due_at == want.due_at &&
+    require(got.tokens_off == want.tokens_off && got.blocks == want.blocks && rec_due_[g] == r.due_at &&
                 got.moe == want.moe && rec_window(got) == rec_window(want) && (!got.lower_fast || want.lower_fast) &&
                 (!got.lower_fast || got.slot == want.slot),
             "batch record out of date");
