@@ -125,6 +125,46 @@ def test_chunking_never_hurts_and_pruning_changes_nothing(scenario):
     assert plan.chunks[0].instances == one.chunks[0].instances or len(plan.chunks) > 1
 
 
+@settings(max_examples=150, deadline=None)
+@given(scenario=scenarios(), data=st.data())
+def test_ready_times_bound_every_group_a_chain_builds(scenario, data):
+    """The pruning bound's ready times: no group that a chain of GetGroup calls grows from the initial group (through
+    pools restricted to a larger group and re-based by Eq. 2, as deeper levels of the search do) is free earlier."""
+    models, config, _, queue = scenario
+    planner = CdspPlanner(models, config)
+    pool = dict(enumerate(queue))
+    first = data.draw(st.sampled_from([0] + planner.sizes))
+    initial = planner._get_group(pool, [], first) if first else []
+    larger = [s for s in planner.sizes if s > len(initial)]
+    assume(larger)
+    ready = planner._ready_times(pool, initial, larger)
+    group, level_pool = initial, pool
+    for s in larger:  # one chain, sizes ascending, inside pools that only shrink
+        if s > len(level_pool):
+            break
+        if data.draw(st.booleans()):
+            continue
+        if data.draw(st.booleans()):  # a deeper level: the pool of a larger single-chunk group, re-based
+            size = data.draw(st.sampled_from([t for t in larger if s <= t <= len(level_pool)]))
+            keep = planner._get_group(level_pool, group, size)
+            shift = data.draw(st.floats(0.0, max(queue)))
+            level_pool = {i: max(0.0, level_pool[i] - shift) for i in keep}
+        group = planner._get_group(level_pool, group, s)
+        assert max(queue[i] for i in group) >= ready[s]
+
+
+@settings(max_examples=100, deadline=None)
+@given(scenario=scenarios())
+def test_lower_bound_never_exceeds_the_plan(scenario):
+    models, config, length, queue = scenario
+    planner = CdspPlanner(models, config)
+    plan = planner.plan(length, queue)
+    ready = planner._ready_times(dict(enumerate(queue)), [], planner.sizes)
+    lower = planner._lower_bound(planner.sizes, length, 0, ready, 0.0)
+    assert lower <= plan.ttft * (1 + 1e-9)
+    event(f"bound/ttft={lower / plan.ttft:.1f}")
+
+
 def first_group_reference(config: PlannerConfig, queue: list[float], size: int) -> list[int]:
     """GetGroup for a first chunk on full nodes, spelled out: while the need exceeds a node, take the whole node
     that frees up first; then the node whose need-th shortest queue is smallest gives its shortest-queued."""

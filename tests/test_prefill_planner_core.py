@@ -143,6 +143,21 @@ def test_core_matches_python_on_large_pools(max_sp):
         assert_same_plan(core.plan(length, queue), py.plan(length, queue))
 
 
+@pytest.mark.parametrize("per_node, nodes, max_sp", [(6, 12, 64), (12, 6, 64), (8, 16, 128)])
+def test_core_matches_python_on_large_loaded_pools(per_node, nodes, max_sp):
+    # nodes that straddle bitset words, groups finishing together (ties, idle instances): pruning, memo and re-basing
+    rng = random.Random(per_node * 100 + nodes)
+    config = PlannerConfig(num_nodes=nodes, instances_per_node=per_node, max_sp=max_sp, improvement_rate=0.3)
+    py, core = CdspPlanner(H200, config), CoreCdspPlanner(H200, config)
+    for _ in range(5):
+        length = int(2 ** rng.uniform(14, 18))
+        queue: list[float] = []
+        while len(queue) < config.num_instances:
+            queue += [0.0 if rng.random() < 0.2 else rng.uniform(0.0, 3.0)] * rng.choice([1, 2, 4, 8])
+        queue = queue[: config.num_instances]
+        assert_same_plan(core.plan(length, queue), py.plan(length, queue))
+
+
 def test_core_planner_wraps_core_errors():
     planner = CoreCdspPlanner(A100, PlannerConfig(num_nodes=1, instances_per_node=4, max_sp=4))
     with pytest.raises(PlannerError, match="queue time per instance"):
