@@ -357,8 +357,8 @@ void SchedulerCore::rebalance_moe() {
   for (size_t i = 0; i < multi_.size(); ++i) {
     if (i + 8 < multi_.size()) {  // both lines of a request a few entries ahead
       const char* ahead = reinterpret_cast<const char*>(&reqs_[multi_[i + 8].slot]);
-      __builtin_prefetch(ahead);
-      __builtin_prefetch(ahead + 64);
+      prefetch_line(ahead);
+      prefetch_line(ahead + 64);
     }
     const MultiRef& e = multi_[i];
     const Request& r = reqs_[e.slot];
@@ -376,7 +376,7 @@ void SchedulerCore::rebalance_moe() {
   for (const MultiRef& e : multi_) multi_sorted_[multi_count_[reqs_[e.slot].nshards]++] = e;
 
   for (size_t i = 0; i < multi_sorted_.size(); ++i) {
-    if (i + 4 < multi_sorted_.size()) __builtin_prefetch(reqs_[multi_sorted_[i + 4].slot].spill.data());
+    if (i + 4 < multi_sorted_.size()) prefetch_line(reqs_[multi_sorted_[i + 4].slot].spill.data());
     Request& r = reqs_[multi_sorted_[i].slot];
     const int old = r.moe;
     moe_batch_[old] -= 1;
@@ -536,7 +536,7 @@ void SchedulerCore::grow_events(int64_t done, int64_t steps) {
   growth_clock_ = done + steps;
   for (int i = 0; i < shape_.num_instances; ++i) kv_tokens_[size_t(i)] += steps * moe_batch_[size_t(i)];
   for (size_t e = 0; e < events_.size(); ++e) {
-    if (e + 4 < events_.size()) __builtin_prefetch(reqs_[events_[e + 4].slot].first.frames.end());  // its new frame
+    if (e + 4 < events_.size()) prefetch_line(reqs_[events_[e + 4].slot].first.frames.end());  // its new frame
     const size_t pos = size_t(events_[e].pos);
     BatchRec& b = rec_[pos];
     const int64_t before = full_at(b);

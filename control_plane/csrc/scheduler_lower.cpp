@@ -109,27 +109,31 @@ void SchedulerCore::write_tables(std::vector<Cursor>& cur, int only) {
   // A single shard's tokens fit int32 unless one instance holds more than that: then every row is checked.
   const bool check_tokens = int64_t(shape_.frames_per_instance) * shape_.page_size > INT32_MAX;
   int32_t g = 0;  // batch index: holes do not count
-  for (size_t k = 0; k < n; ++k) {
+  size_t k = 0;
+  while (k < n) {
+    // A run of records lowered from the record alone: no call inside keeps the loop's values in registers.
+    for (; k < n && (!kFull && recs[k].lower_fast); ++k) {
+      if (k + kFar < n && !recs[k + kFar].lower_fast) prefetch_request(k);
+      const BatchRec& b = recs[k];
+      Cursor& c = cursors[b.moe];
+      const int32_t moe_row = c.n_moe++, shard_idx = c.n_shards++;
+      if (!kAll && b.moe != only) {
+        ++g;
+        continue;
+      }
+      const int64_t tokens64 = b.tokens_off + clock;
+      if (check_tokens && tokens64 > INT32_MAX)
+        throw std::overflow_error("context length does not fit the int32 routing table");
+      const int32_t tokens = int32_t(tokens64), window = b.window_at == grow_iter ? b.window : grow_steps;
+      // [g, position, shard index, window] and [g, source (-1: local), tokens, slot]
+      store_row(c.moe + 4 * size_t(moe_row), g, tokens - window, shard_idx, window);
+      store_row(c.shards + 4 * size_t(shard_idx), g++, -1, tokens, b.slot);
+      c.max_blocks = std::max(c.max_blocks, b.blocks);
+    }
+    if (k == n) break;
     if (k + kFar < n && (kFull || !recs[k + kFar].lower_fast)) prefetch_request(k);
-    const BatchRec& b = recs[k];
-    if (kFull || !b.lower_fast) {  // holes, several shards, frames to list
-      if (run[k] >= 0) write_request<kAll, kFull>(k, g++, cursors, only);
-      continue;
-    }
-    Cursor& c = cursors[b.moe];
-    const int32_t moe_row = c.n_moe++, shard_idx = c.n_shards++;
-    if (!kAll && b.moe != only) {
-      ++g;
-      continue;
-    }
-    const int64_t tokens64 = b.tokens_off + clock;
-    if (check_tokens && tokens64 > INT32_MAX)
-      throw std::overflow_error("context length does not fit the int32 routing table");
-    const int32_t tokens = int32_t(tokens64), window = b.window_at == grow_iter ? b.window : grow_steps;
-    // [g, position, shard index, window] and [g, source (-1: local), tokens, slot]
-    store_row(c.moe + 4 * size_t(moe_row), g, tokens - window, shard_idx, window);
-    store_row(c.shards + 4 * size_t(shard_idx), g++, -1, tokens, b.slot);
-    c.max_blocks = std::max(c.max_blocks, b.blocks);
+    if (run[k] >= 0) write_request<kAll, kFull>(k, g++, cursors, only);  // several shards, frames to list
+    ++k;  // (a hole: skipped)
   }
 }
 
