@@ -402,6 +402,18 @@ class CdspPlanner {
           }
           if (present) works.push_back(Envelope{w.a, w.b, w.c, std::min(w.m, w.c / 2.0)});
         }
+        // an envelope no smaller than another in every coefficient adds nothing to the bound
+        auto covers = [](const Envelope& x, const Envelope& y) {
+          return x.a <= y.a && x.b <= y.b && x.c <= y.c && x.m <= y.m;
+        };
+        std::vector<Envelope> kept;
+        for (size_t i = 0; i < works.size(); ++i) {
+          bool redundant = false;
+          for (size_t j = 0; j < works.size() && !redundant; ++j)
+            redundant = j != i && covers(works[j], works[i]) && (!covers(works[i], works[j]) || j < i);
+          if (!redundant) kept.push_back(works[i]);
+        }
+        works = kept;
       }
   }
 
@@ -578,10 +590,11 @@ class CdspPlanner {
     const bool whole_pool = lv.group.size == static_cast<int>(lv.pool.members.size());
     if (!whole_pool) restrict_pool(lv.pool, lv.group, lv.sub);
     const Pool& sub = whole_pool ? lv.pool : lv.sub;
-    describe_init(sub, init, lv.init_sub);
+    if (!whole_pool) describe_init(sub, init, lv.init_sub);
+    const InitInfo& init_sub = whole_pool ? lv.init_pool : lv.init_sub;
     lv.candidates.clear();
     if (static_cast<int>(lv.currents.size()) < cdsp_hi - lo + 1) lv.currents.resize(cdsp_hi - lo + 1);
-    ready_times(sub, lv.init_sub, lo, cdsp_hi, lv.level_ready, lv.other);
+    ready_times(sub, init_sub, lo, cdsp_hi, lv.level_ready, lv.other);
     for (int kc = lo; kc < cdsp_hi; ++kc) {
       // every chunk of a plan that starts on s_current has at least s_current instances
       if (kc > lo && beyond(t0 + lower_bound(kc, cdsp_hi, tokens, context, lv.level_ready, 0.0) * (1.0 - 1e-9),
@@ -589,7 +602,7 @@ class CdspPlanner {
         continue;
       Group& current = lv.currents[kc - lo];
       double queue_cur = 0.0;
-      if (!get_group(sub, lv.init_sub, sizes_[kc], queue_cur, &current)) continue;
+      if (!get_group(sub, init_sub, sizes_[kc], queue_cur, &current)) continue;
       describe_init(sub, current, lv.current_sub);
       ready_times(sub, lv.current_sub, kc + 1, cdsp_hi, lv.ready, lv.other);
       // Longest queue of the group extending `current` to each larger size: Algorithm 3's budgets, and also what
@@ -901,8 +914,15 @@ class CdspPlanner {
     Pool& pool = levels_[0].pool;
     pool.members.resize(n_);
     for (int i = 0; i < n_; ++i) pool.members[i] = Member{queue[i], i, i / per_node_};
-    for (int node = 0; node < num_nodes_; ++node)  // instances are numbered node by node
-      std::sort(pool.members.begin() + node * per_node_, pool.members.begin() + (node + 1) * per_node_, queue_less);
+    for (int node = 0; node < num_nodes_; ++node) {  // instances are numbered node by node: insertion sort each
+      Member* first = pool.members.data() + node * per_node_;
+      for (int i = 1; i < per_node_; ++i) {
+        const Member m = first[i];
+        int j = i;
+        for (; j > 0 && queue_less(m, first[j - 1]); --j) first[j] = first[j - 1];
+        first[j] = m;
+      }
+    }
     pool.build_segments();
     memo_used_ = 0;
     return schedule(0, length, 0, empty_, 0, static_cast<int>(sizes_.size()) - 1, 0.0, kInf,
