@@ -92,12 +92,15 @@ class DecodeWeights:
     norm: torch.Tensor  # [D]
     lm_head: torch.Tensor  # [D, V]
     rope: RotaryEmbedding
+    rope_cache: RopeCache
 
     @classmethod
     def build(cls, model: DeepseekV3Weights, local_experts: Sequence[int] = ()) -> DecodeWeights:
         """Prepare `model` for decoding; `local_experts` (global ids, in local order) are stacked per MoE layer."""
         layers = [_prepare_layer(layer, local_experts) for layer in model.layers]
-        return cls(model.config, model.embed_tokens, layers, model.norm, model.lm_head.T.contiguous(), model.rope)
+        rope_cache = RopeCache(model.rope, model.config.max_position_embeddings)
+        lm_head = model.lm_head.T.contiguous()
+        return cls(model.config, model.embed_tokens, layers, model.norm, lm_head, model.rope, rope_cache)
 
     def with_experts(self, model: DeepseekV3Weights, local_experts: Sequence[int]) -> DecodeWeights:
         """These prepared weights (the same tensors, not copies) with `model`'s routed experts `local_experts`."""
@@ -197,35 +200,69 @@ def _prepare_layer(layer: LayerWeights, local_experts: Sequence[int]) -> DecodeL
 class RopeTable:
     """Rotation of the rows of one sub-step (shared by every layer)."""
 
-    cos: torch.Tensor  # [T, half] fp32, YaRN attention factor included
-    sin: torch.Tensor  # [T, half]
-    freqs: torch.Tensor  # [T, half] complex64: cos + i sin
+    freqs: torch.Tensor  # [T, half] complex64: cos + i sin (YaRN attention factor included)
+
+    def __post_init__(self) -> None:
+        self.per_head = self.freqs[:, None, :]  # [T, 1, half]: broadcasts over the query heads
+
+    @property
+    def cos(self) -> torch.Tensor:
+        return self.freqs.real
+
+    @property
+    def sin(self) -> torch.Tensor:
+        return self.freqs.imag
 
     @classmethod
     def at(cls, rope: RotaryEmbedding, positions: torch.Tensor) -> RopeTable:
         cos, sin = rope.cos_sin(positions)
-        return cls(cos, sin, torch.complex(cos, sin))
+        return cls(torch.complex(cos, sin))
+
+
+class RopeCache:
+    """The RopeTable rows of every position below `limit`, computed once (grown on demand, doubling): a sub-step
+    then looks its rows up with one index instead of recomputing cos/sin (the same values, elementwise)."""
+
+    def __init__(self, rope: RotaryEmbedding, limit: int) -> None:
+        self.rope = rope
+        self.limit = limit
+        self.freqs = RopeTable.at(rope, torch.zeros(0, dtype=torch.int64)).freqs  # [positions, half]
+
+    def at(self, positions: np.ndarray) -> RopeTable:
+        """positions [T] int64 -> their RopeTable."""
+        top = int(positions.max()) + 1 if len(positions) else 0
+        if top > self.limit:
+            return RopeTable.at(self.rope, torch.from_numpy(positions))
+        if top > len(self.freqs):
+            size = min(self.limit, max(top, 2 * len(self.freqs), 1024))
+            self.freqs = RopeTable.at(self.rope, torch.arange(size)).freqs
+        return RopeTable(self.freqs[torch.from_numpy(positions)])
 
 
 def norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm; torch's fused op where it computes exactly what `models.rms_norm` does (fp32)."""
     if x.dtype == torch.float32 and weight.dtype == torch.float32:
-        return F.rms_norm(x, weight.shape, weight, eps)
+        return torch.rms_norm(x, weight.shape, weight, eps)
     return rms_norm(x, weight, eps)
+
+
+def _rotated(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+    """x [T, ..., rope] fp32/fp64 in pair order, freqs broadcastable to [T, ..., half] -> the rotated pairs as
+    [T, ..., 2, half] (x1' then x2'), a strided view of the complex product."""
+    pairs = x.unflatten(-1, (x.shape[-1] // 2, 2))
+    if pairs.storage_offset() % 2 or pairs.stride(-2) != 2 or any(s % 2 for s in pairs.stride()[:-2]):
+        pairs = pairs.contiguous()  # view_as_complex needs whole complex numbers
+    return torch.view_as_real(torch.view_as_complex(pairs) * freqs).transpose(-1, -2)
 
 
 def rotate_pairs(x: torch.Tensor, rope: RopeTable) -> torch.Tensor:
     """x [T, ..., rope] in pair order -> rotated, de-interleaved [T, ..., rope] ([x1' | x2'])."""
     half = x.shape[-1] // 2
     if x.dtype in _COMPLEX_ROPE_DTYPES:
-        pairs = x.unflatten(-1, (half, 2))
-        if pairs.storage_offset() % 2 or any(s % 2 for s in pairs.stride()[:-1]):
-            pairs = pairs.contiguous()
         freqs = rope.freqs.view(rope.freqs.shape[0], *(1,) * (x.dim() - 2), half)
-        rotated = torch.view_as_real(torch.view_as_complex(pairs) * freqs)  # [T, ..., half, 2]
-        return rotated.transpose(-1, -2).flatten(-2)
+        return _rotated(x, freqs).flatten(-2)
     shape = (rope.cos.shape[0],) + (1,) * (x.dim() - 2) + (half,)
-    cos, sin = rope.cos.to(x.dtype).view(shape), rope.sin.to(x.dtype).view(shape)
+    cos, sin = rope.cos.to(x.dtype).reshape(shape), rope.sin.to(x.dtype).reshape(shape)
     x1, x2 = x[..., 0::2], x[..., 1::2]
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
 
@@ -238,7 +275,7 @@ def project(
     a, t = w.attn, h.shape[0]
     heads, lora, rope_dim = c.num_attention_heads, c.kv_lora_rank, c.qk_rope_head_dim
     x = norm(h, w.input_norm, c.rms_norm_eps)
-    qkv = x @ a.qkv_a  # [T, q_lora + kv_lora + rope]
+    qkv = torch.mm(x, a.qkv_a)  # [T, q_lora + kv_lora + rope]
     q_lora = qkv.shape[1] - lora - rope_dim
     kv_new = torch.cat(
         [
@@ -249,10 +286,14 @@ def project(
     )
     q_in = x if a.q_a_norm is None else norm(qkv[:, :q_lora], a.q_a_norm, LATENT_NORM_EPS)
     if a.w_uk is None:  # absorbed: [T, H, kv_lora + rope] straight from the GEMM
-        q_latent = (q_in @ a.q_b).view(t, heads, lora + rope_dim)
-        q_latent[..., lora:] = rotate_pairs(q_latent[..., lora:], rope)
+        q_latent = torch.mm(q_in, a.q_b).view(t, heads, lora + rope_dim)
+        q_pe = q_latent[..., lora:]
+        if q_latent.dtype in _COMPLEX_ROPE_DTYPES:  # rotate in place: one copy of the product
+            q_pe.unflatten(-1, (2, rope_dim // 2)).copy_(_rotated(q_pe, rope.per_head))
+        else:
+            q_pe.copy_(rotate_pairs(q_pe, rope))
         return q_latent, kv_new
-    q = (q_in @ a.q_b).view(t, heads, -1)  # [T, H, nope + rope]
+    q = torch.mm(q_in, a.q_b).view(t, heads, -1)  # [T, H, nope + rope]
     nope = q.shape[-1] - rope_dim
     latent = torch.bmm(q[..., :nope].transpose(0, 1), a.w_uk).transpose(0, 1)  # [T, H, kv_lora]
     return torch.cat([latent, rotate_pairs(q[..., nope:], rope)], dim=-1), kv_new
@@ -281,19 +322,19 @@ def add_mlp(mlp: GatedMLP, x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
 def moe_gate(w: DecodeLayerWeights, c: ModelConfig, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [T, D] -> topk_idx int64 [T, k], topk_weights fp32 [T, k] (as models.moe_gate)."""
     t = x.shape[0]
-    scores = torch.sigmoid(x.float() @ w.gate)  # [T, E]
+    scores = torch.mm(x.float(), w.gate).sigmoid_()  # [T, E]
     choice = scores + w.gate_bias
     if c.n_group > 1:
         grouped = choice.view(t, c.n_group, c.experts_per_group)
         group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)  # [T, G]
         top_groups = group_scores.topk(c.topk_group, dim=-1).indices
         dropped = torch.ones_like(group_scores, dtype=torch.bool).scatter_(1, top_groups, False)
-        choice = grouped.masked_fill(dropped[..., None], float("-inf")).view(t, -1)
+        choice = grouped.masked_fill_(dropped[..., None], float("-inf")).view(t, -1)
     topk_idx = choice.topk(c.num_experts_per_tok, dim=-1).indices  # [T, k]
     topk_weights = scores.gather(1, topk_idx)
     if c.norm_topk_prob:
-        topk_weights = topk_weights / (topk_weights.sum(dim=-1, keepdim=True) + 1e-20)
-    return topk_idx, topk_weights * c.routed_scaling_factor
+        topk_weights /= topk_weights.sum(dim=-1, keepdim=True).add_(1e-20)
+    return topk_idx, topk_weights.mul_(c.routed_scaling_factor)
 
 
 def grouped_experts(

@@ -51,6 +51,7 @@ from .block_store import BlockTableStore
 from .decode_layers import (
     DecodeLayerWeights,
     DecodeWeights,
+    RopeCache,
     RopeTable,
     add_attention_output,
     add_mlp,
@@ -230,7 +231,9 @@ class DecodeInstance:
         outputs: list[RowOutput] = []
         with torch.no_grad():
             for j in range(table.num_steps):
-                step = tables.sub_step(j, self.weights.rope, self.backends.attention, self.model.embed_tokens.dtype)
+                step = tables.sub_step(
+                    j, self.weights.rope_cache, self.backends.attention, self.model.embed_tokens.dtype
+                )
                 h = self.weights.embed_tokens[torch.tensor(tokens, dtype=torch.int64, device=device)]  # [m, D]
                 for layer in self.weights.layers:
                     h = yield from self._layer(layer, h, tables, step, ctx)
@@ -310,7 +313,10 @@ class DecodeInstance:
             else:
                 topk_idx = torch.empty(0, c.num_experts_per_tok, dtype=torch.int64, device=h.device)
                 topk_weights = torch.empty(0, c.num_experts_per_tok, dtype=torch.float32, device=h.device)
-            pending = dispatcher.dispatch_send(x, topk_idx)
+            if self.packed_moe:  # the gate's own top-k needs no check
+                pending = dispatcher.dispatch_send(x, topk_idx, check=False)
+            else:
+                pending = dispatcher.dispatch_send(x, topk_idx)
         yield Wait(dispatcher.wait_flags(pending))
         if self.packed_moe:
             with timing.phase("experts", i, ctx):
@@ -479,7 +485,7 @@ class _IterationTables:
         parts = rows if q_latent is None or not len(q_latent) else torch.cat([q_latent, rows.to(q_latent.dtype)])
         return parts.index_select(0, self.shard_q_index)
 
-    def sub_step(self, j: int, rope, attention, dtype: torch.dtype) -> _SubStep:
+    def sub_step(self, j: int, rope: RopeCache, attention, dtype: torch.dtype) -> _SubStep:
         """Sub-step j: a row past its window (masked) keeps its last position and whole tail shard, writes
         nothing and is not sampled."""
         active = j < self.window  # [m]
@@ -498,7 +504,7 @@ class _IterationTables:
         device = self.block_table.device
         return _SubStep(
             j=j,
-            rope=RopeTable.at(rope, torch.from_numpy(self.first + step)) if self.m else None,
+            rope=rope.at(self.first + step) if self.m else None,
             active=torch.from_numpy(active),
             active_rows=write.tolist(),
             write_rows=None if all_active else torch.from_numpy(write).to(device),

@@ -3,9 +3,10 @@
 comm.moe_dispatch.LowLatencyDispatcher keeps DeepEP's static layout (one slab block per (expert, source), one put
 per (token block, expert)), which the graph path needs. Here each rank sends every peer one contiguous block per
 direction, its (token, expert) pairs sorted by (expert, token):
-- dispatch: rows of x into the peer's `x` buffer at [rank * cap, rank * cap + n), and a meta block at
-  [rank * (cap + 1), ...) in the peer's `meta` buffer: the count n, then the local expert of each row;
-- combine: the expert outputs of the rows a source sent, in the same order, into the source's `y` buffer at
+- dispatch: into the peer's `x` buffer at rows [rank * (cap + 1), ...): a header row, then one row per pair. A row
+  is [hidden values | tag], the tag (4 bytes, an int32 view of the row's tail; int64 for 8-byte dtypes) holding the
+  pair's local expert, the header's tag the number of pairs;
+- combine: the expert outputs of the pairs a source sent, in the same order, into the source's `y` buffer at
   [rank * cap, ...); the source gathers each (token, slot) result and sums them with the gate weights (fp32).
 cap = max_tokens * min(top_k, local experts) bounds the pairs one rank sends one peer. Every rank signals every
 rank in both directions (also with nothing to send), so a combine waits for all ranks: a rank's next dispatch can
@@ -38,7 +39,7 @@ class PackedReceived:
     """What this rank received in one dispatch, source-major (source 0's rows first)."""
 
     seq: int
-    rows: np.ndarray  # int64 [N]: row of each received token in the `x` buffer
+    rows: np.ndarray  # int64 [N]: row of each received token in `recv_x`
     local_expert: np.ndarray  # int64 [N]
     source_counts: list[int]  # [ranks]
 
@@ -66,18 +67,23 @@ class PackedDispatcher:
             raise ValueError(
                 f"hidden ({hidden}), max_tokens_per_rank ({max_tokens_per_rank}) and top_k ({top_k}) must be >= 1"
             )
+        size = torch.empty((), dtype=dtype).element_size()
+        self.tag_dtype = torch.int32 if size <= 4 else torch.int64
+        tag_bytes = torch.empty((), dtype=self.tag_dtype).element_size()
+        if tag_bytes % size or (hidden * size) % tag_bytes:
+            raise ValueError(f"a {dtype} row of {hidden} values cannot carry a {self.tag_dtype} tag")
         self.fabric = fabric
         self.num_experts = num_experts
         self.local_experts = num_experts // ranks
         self.hidden = hidden
+        self.row = hidden + tag_bytes // size  # values per `x` row: hidden + the tag
         self.max_tokens = max_tokens_per_rank
         self.top_k = top_k
         self.dtype = dtype
         self.timeout_s = timeout_s
         self.cap = max_tokens_per_rank * min(top_k, self.local_experts)
-        self._names = {k: f"{name}.{k}" for k in ("meta", "x", "y")}
-        fabric.register(self._names["meta"], (ranks * (self.cap + 1),), torch.int32, timeout_s)
-        fabric.register(self._names["x"], (ranks * self.cap, hidden), dtype, timeout_s)
+        self._names = {k: f"{name}.{k}" for k in ("x", "y")}
+        fabric.register(self._names["x"], (ranks * (self.cap + 1), self.row), dtype, timeout_s)
         fabric.register(self._names["y"], (ranks * self.cap, hidden), dtype, timeout_s)
         self.dispatch_flag = fabric.reserve_flags(ranks)
         self.combine_flag = fabric.reserve_flags(ranks)
@@ -85,43 +91,50 @@ class PackedDispatcher:
 
     @property
     def recv_x(self) -> torch.Tensor:
-        """[ranks * cap, hidden]: the dispatch receive buffer (`PackedReceived.rows` index it)."""
-        return self.fabric.buffer(self._names["x"])
+        """[ranks * (cap + 1), hidden]: the received token values (`PackedReceived.rows` index it)."""
+        return self.fabric.buffer(self._names["x"])[:, : self.hidden]
+
+    def _tags(self, rows: torch.Tensor) -> torch.Tensor:
+        """The tag column of `x` rows [n, row] as a [n] integer view."""
+        return rows[:, self.hidden :].view(self.tag_dtype)[:, 0]
 
     # ---- dispatch -----------------------------------------------------------------------------------------
-    def dispatch_send(self, x: torch.Tensor, topk_idx: torch.Tensor) -> PackedPending:
-        """x [T, hidden], topk_idx int64 [T, k] (-1 = no expert) -> the pending dispatch; every rank is signalled."""
-        idx = self._check_inputs(x, topk_idx)  # host copy [T, k]
+    def dispatch_send(self, x: torch.Tensor, topk_idx: torch.Tensor, check: bool = True) -> PackedPending:
+        """x [T, hidden], topk_idx int64 [T, k] (-1 = no expert) -> the pending dispatch; every rank is signalled.
+        check=False skips validating topk_idx (for a gate's own top-k output)."""
+        idx = self._check_inputs(x, topk_idx) if check else topk_idx.cpu().numpy()  # [T, k]
         self._seq += 1
-        fabric, rank, ranks, lx, cap = (
-            self.fabric,
-            self.fabric.rank,
-            self.fabric.world_size,
-            self.local_experts,
-            self.cap,
-        )
+        fabric, rank, ranks, lx = self.fabric, self.fabric.rank, self.fabric.world_size, self.local_experts
         t, k = idx.shape
-        flat = idx.reshape(-1)
-        n = int((flat >= 0).sum())
-        order = np.argsort(np.where(flat < 0, self.num_experts, flat), kind="stable")[:n]  # by (expert, token)
-        expert = flat[order]
+        key = idx.reshape(-1)
+        if key.size and key.min() < 0:
+            key = np.where(key < 0, self.num_experts, key)  # slots without an expert sort last
+        order = np.argsort(key, kind="stable")  # pairs by (expert, token)
+        per_expert = np.bincount(key, minlength=self.num_experts + 1)
+        per_dst = per_expert[: self.num_experts].reshape(ranks, lx).sum(axis=1)
+        n = t * k - int(per_expert[self.num_experts])
+        order = order[:n]
+        expert = key[order]
         dst = expert // lx
-        per_dst = np.bincount(dst, minlength=ranks)
-        starts = np.cumsum(per_dst) - per_dst
-        meta = np.empty(n + ranks, dtype=np.int32)  # per peer: count, then the local expert of each row
-        meta[np.arange(n) + dst + 1] = expert - dst * lx
-        meta[starts + np.arange(ranks)] = per_dst
-        meta_t = torch.from_numpy(meta)
-        rows = x.index_select(0, torch.from_numpy(order // k)) if n else x[:0]
-        for d in range(ranks):
-            a, count = int(starts[d]), int(per_dst[d])
-            fabric.put(d, self._names["meta"], rank * (cap + 1), meta_t[a + d : a + d + 1 + count])
-            if count:
-                fabric.put(d, self._names["x"], rank * cap, rows[a : a + count])
+        starts = np.cumsum(per_dst) - per_dst  # first pair of each peer
+        position = np.arange(n) + dst + 1  # payload row of each pair: after the headers of peers <= its own
+        headers = starts + np.arange(ranks)
+        payload = torch.empty(n + ranks, self.row, dtype=self.dtype, device=x.device)
+        tags = np.empty(n + ranks, dtype=np.int64)
+        tags[position] = expert - dst * lx
+        tags[headers] = per_dst
+        if n:
+            source = np.zeros(n + ranks, dtype=np.int64)
+            source[position] = order // k
+            payload[:, : self.hidden] = x.index_select(0, torch.from_numpy(source).to(x.device))
+        self._tags(payload).copy_(torch.from_numpy(tags))
+        row = rank * (self.cap + 1)
+        for d, (first, count) in enumerate(zip(headers.tolist(), per_dst.tolist())):
+            fabric.put(d, self._names["x"], row, payload[first : first + 1 + count])
         for d in range(ranks):
             fabric.signal(d, self.dispatch_flag + rank, self._seq)
         result_rows = np.zeros(t * k, dtype=np.int64)
-        result_rows[order] = dst * cap + np.arange(n) - starts[dst]
+        result_rows[order] = dst * self.cap + np.arange(n) - starts[dst]
         valid = None if n == t * k else torch.from_numpy(idx >= 0)
         return PackedPending(self._seq, t, k, torch.from_numpy(result_rows), valid)
 
@@ -131,16 +144,20 @@ class PackedDispatcher:
 
     def dispatch_finish(self, pending: PackedPending) -> PackedReceived:
         """Read what every source sent (call after the dispatch flags hold)."""
-        cap = self.cap
-        meta = self.fabric.buffer(self._names["meta"]).cpu().numpy()
-        counts = [int(c) for c in meta[:: cap + 1]]
-        if any(not 0 <= c <= cap for c in counts):
-            raise ValueError(f"corrupt dispatch meta: counts {counts} outside [0, {cap}]")
-        rows = np.concatenate([np.arange(s * cap, s * cap + c) for s, c in enumerate(counts)])
-        local = np.concatenate([meta[s * (cap + 1) + 1 : s * (cap + 1) + 1 + c] for s, c in enumerate(counts)])
+        return self.read_received(pending.seq)
+
+    def read_received(self, seq: int = 0) -> PackedReceived:
+        """What the sources' last dispatch put into this rank's buffer, for the dispatch `seq`."""
+        block = self.cap + 1
+        tags = self._tags(self.fabric.buffer(self._names["x"])).cpu().numpy()  # [ranks * block]
+        counts = tags[::block].tolist()
+        if any(not 0 <= c <= self.cap for c in counts):
+            raise ValueError(f"corrupt dispatch: counts {counts} outside [0, {self.cap}]")
+        rows = np.concatenate([np.arange(s * block + 1, s * block + 1 + c) for s, c in enumerate(counts)])
+        local = tags[rows].astype(np.int64)
         if len(local) and (local.min() < 0 or local.max() >= self.local_experts):
-            raise ValueError(f"corrupt dispatch meta: local experts outside [0, {self.local_experts})")
-        return PackedReceived(pending.seq, rows.astype(np.int64), local.astype(np.int64), counts)
+            raise ValueError(f"corrupt dispatch: local experts outside [0, {self.local_experts})")
+        return PackedReceived(seq, rows, local, counts)
 
     # ---- combine ------------------------------------------------------------------------------------------
     def combine_send(self, y: torch.Tensor, received: PackedReceived) -> None:
@@ -174,7 +191,7 @@ class PackedDispatcher:
         if pending.valid is not None:  # slots without an expert read row 0: weight 0, value 0
             weights = weights.masked_fill(~pending.valid, 0.0)
             results = results.masked_fill(~pending.valid[..., None], 0.0)
-        return (results * weights[..., None]).sum(dim=1).to(dtype)
+        return torch.bmm(weights[:, None, :], results)[:, 0].to(dtype)
 
     # ---- checks -------------------------------------------------------------------------------------------
     def _check_inputs(self, x: torch.Tensor, topk_idx: torch.Tensor) -> np.ndarray:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import time
-from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -39,19 +38,42 @@ class PhaseRecord:
     res_recv: int
 
 
+class _Untimed:
+    """The phase context of a disabled log: nothing to do (one shared object, no allocation per phase)."""
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc) -> None:
+        return None
+
+
+_UNTIMED = _Untimed()
+
+
+class _Timed:
+    __slots__ = ("log", "name", "layer", "ctx", "start")
+
+    def __init__(self, log: TimingLog, name: str, layer: int, ctx: dict) -> None:
+        self.log, self.name, self.layer, self.ctx = log, name, layer, ctx
+
+    def __enter__(self) -> None:
+        self.start = time.perf_counter()
+
+    def __exit__(self, exc_type, *exc) -> None:
+        if exc_type is None:  # a phase that raised is not a measurement
+            seconds = time.perf_counter() - self.start
+            self.log.records.append(PhaseRecord(phase=self.name, layer=self.layer, seconds=seconds, **self.ctx))
+
+
 @dataclass
 class TimingLog:
     enabled: bool = True
     records: list[PhaseRecord] = field(default_factory=list)
 
-    @contextmanager
     def phase(self, name: str, layer: int, ctx: dict):
-        if not self.enabled:
-            yield
-            return
-        start = time.perf_counter()
-        yield
-        self.records.append(PhaseRecord(phase=name, layer=layer, seconds=time.perf_counter() - start, **ctx))
+        """Context manager timing one phase (records nothing when the log is disabled)."""
+        return _Timed(self, name, layer, ctx) if self.enabled else _UNTIMED
 
     def dump(self, path: str | Path) -> None:
         with open(path, "a", encoding="utf-8") as f:

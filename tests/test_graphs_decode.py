@@ -181,16 +181,18 @@ def test_graph_path_equals_eager_on_random_plans(models, policy, seed):
 
 def expert_counts(inst: DecodeInstance) -> torch.Tensor:
     """[sources, local experts] int32: tokens each source sent to each local expert in the last MoE layer (the
-    graph path's static-slab dispatcher keeps them in `moe.count`; the eager path's packed one sends each source's
-    count and its rows' local experts in `moe.meta`)."""
+    graph path's static-slab dispatcher keeps them in `moe.count`; the eager path's packed one tags each received
+    row with its local expert)."""
     if not inst.packed_moe:
         return inst.fabric.buffer("moe.count")
-    disp, meta = inst.dispatcher, inst.fabric.buffer("moe.meta")
+    disp = inst.dispatcher
+    received = disp.read_received()
     counts = torch.zeros(N, disp.local_experts, dtype=torch.int32)
-    for src in range(N):
-        base = src * (disp.cap + 1)
-        experts = meta[base + 1 : base + 1 + int(meta[base])].long()
+    first = 0
+    for src, count in enumerate(received.source_counts):
+        experts = torch.from_numpy(received.local_expert[first : first + count])
         counts[src] = torch.bincount(experts, minlength=disp.local_experts)
+        first += count
     return counts
 
 
