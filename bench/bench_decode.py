@@ -3,14 +3,18 @@
     python -m nanocp.bench.bench_decode [--batches 1 16 64] [--new-tokens 32]
 
 Both sides run greedy decoding of the same random 32-token prompts, one after the other in the same process, and
-report generated tokens per second (prefill included on both sides). A timed nanocp run with the per-phase timing
-log on writes the per-instance phase breakdown (bench/results/decode_tiny_timing.jsonl).
+report generated tokens per second (prefill included on both sides). The headline is the default cluster (4 decode
+instances, inline backend); `--extra-instances N ...` adds clearly labelled rows for other instance counts, each
+interleaved with its own HF runs. The machine's load average is recorded before and after (the machine is shared).
+A timed nanocp run with the per-phase timing log on writes the per-instance phase breakdown
+(bench/results/decode_tiny_timing.jsonl).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import random
 import statistics
@@ -68,23 +72,10 @@ def phase_breakdown(records) -> dict:
     }
 
 
-def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
-    ap.add_argument("--new-tokens", type=int, default=32)
-    ap.add_argument("--prompt-len", type=int, default=32)
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--decode-instances", type=int, default=4)
-    ap.add_argument("--backend", default="inline", choices=["inline", "threads", "processes"])
-    ap.add_argument("--out", default=str(RESULTS / "decode_tiny"))
-    args = ap.parse_args(argv)
-    from transformers import DeepseekV3ForCausalLM
-
-    with tempfile.TemporaryDirectory() as ckpt:
-        save_tiny_checkpoint(ckpt, ModelConfig.tiny())
-        hf = DeepseekV3ForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
+def compare(hf, args, decode_instances: int) -> list[dict]:
+    """Per batch: median tokens/s of nanocp (`decode_instances`) and HF over interleaved repeats."""
     rows = []
-    with LLM("tiny", decode_instances=args.decode_instances, backend=args.backend) as llm:
+    with LLM("tiny", decode_instances=decode_instances, backend=args.backend) as llm:
         llm.generate(prompts_for(2, 8, 0), SamplingParams(max_tokens=2))  # warm up both sides
         hf_tokens_per_s(hf, prompts_for(2, 8, 0), 2)
         for batch in args.batches:
@@ -95,7 +86,31 @@ def main(argv: list[str] | None = None) -> dict:
                 theirs.append(hf_tokens_per_s(hf, prompts, args.new_tokens))
             o, t = statistics.median(ours), statistics.median(theirs)
             rows.append({"batch": batch, "nanocp_tok_s": o, "hf_tok_s": t, "ratio": o / t, "runs": [ours, theirs]})
-            print(f"batch {batch:3d}: nanocp {o:8.1f} tok/s  HF {t:8.1f} tok/s  ratio {o / t:5.2f}x")
+            label = f"{decode_instances} instances, batch {batch:3d}"
+            print(f"{label}: nanocp {o:8.1f} tok/s  HF {t:8.1f} tok/s  ratio {o / t:5.2f}x")
+    return rows
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
+    ap.add_argument("--new-tokens", type=int, default=32)
+    ap.add_argument("--prompt-len", type=int, default=32)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--decode-instances", type=int, default=4)
+    ap.add_argument("--backend", default="inline", choices=["inline", "threads", "processes"])
+    ap.add_argument("--extra-instances", type=int, nargs="*", default=[1], help="extra rows: other instance counts")
+    ap.add_argument("--out", default=str(RESULTS / "decode_tiny"))
+    args = ap.parse_args(argv)
+    from transformers import DeepseekV3ForCausalLM
+
+    with tempfile.TemporaryDirectory() as ckpt:
+        save_tiny_checkpoint(ckpt, ModelConfig.tiny())
+        hf = DeepseekV3ForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
+    load_before = os.getloadavg()
+    rows = compare(hf, args, args.decode_instances)
+    extra = {n: compare(hf, args, n) for n in args.extra_instances if n != args.decode_instances}
+    load_after = os.getloadavg()
     with LLM("tiny", decode_instances=args.decode_instances, backend=args.backend, timing=True) as llm:
         llm.generate(prompts_for(16, args.prompt_len, 7), SamplingParams(max_tokens=8, temperature=0.0))
         records = llm.engine.timing_records()
@@ -106,9 +121,16 @@ def main(argv: list[str] | None = None) -> dict:
     TimingLog(records=list(records)).dump(timing_path)  # dump() empties the list it is given
     result = {
         "benchmark": "decode throughput, tiny model, CPU",
-        "machine": {"cpus": torch.get_num_threads(), "python": platform.python_version(), "torch": torch.__version__},
+        "machine": {
+            "cpus": os.cpu_count(),
+            "torch_threads": torch.get_num_threads(),
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+        },
         "settings": vars(args),
         "rows": rows,
+        "extra_rows": {f"{n} decode instances": r for n, r in extra.items()},
+        "load_average_1_5_15min": {"before": load_before, "after": load_after},
         "phase_seconds_per_iteration_batch16": phase_breakdown(records),
         "goal": "ratio >= 3 at batch 64",
     }
@@ -125,6 +147,23 @@ def main(argv: list[str] | None = None) -> dict:
         "|---:|---:|---:|---:|",
     ]
     lines += [f"| {r['batch']} | {r['nanocp_tok_s']:.1f} | {r['hf_tok_s']:.1f} | {r['ratio']:.2f}x |" for r in rows]
+    for n, extra_rows in extra.items():
+        lines += [
+            "",
+            f"Extra configuration, not the headline: {n} decode instance{'s' if n > 1 else ''} "
+            f"({args.backend} backend), interleaved with its own HF runs:",
+            "",
+            "| batch | nanocp tok/s | HF tok/s | ratio |",
+            "|---:|---:|---:|---:|",
+        ]
+        lines += [
+            f"| {r['batch']} | {r['nanocp_tok_s']:.1f} | {r['hf_tok_s']:.1f} | {r['ratio']:.2f}x |" for r in extra_rows
+        ]
+    lines += [
+        "",
+        f"Machine load average (1/5/15 min): before {', '.join(f'{x:.2f}' for x in load_before)}, after "
+        f"{', '.join(f'{x:.2f}' for x in load_after)} (2 cores, shared with other work).",
+    ]
     lines += ["", "Per-phase seconds per iteration, batch 16 (instance: phase=seconds):", ""]
     for inst, phases in result["phase_seconds_per_iteration_batch16"].items():
         lines.append(f"- instance {inst}: " + ", ".join(f"{p}={s * 1e3:.2f} ms" for p, s in phases.items()))

@@ -106,15 +106,19 @@ class PackedDispatcher:
         self._seq += 1
         fabric, rank, ranks, lx = self.fabric, self.fabric.rank, self.fabric.world_size, self.local_experts
         t, k = idx.shape
-        key = idx.reshape(-1)
-        if key.size and key.min() < 0:
-            key = np.where(key < 0, self.num_experts, key)  # slots without an expert sort last
+        if t == 0:  # nothing to send: every peer gets an empty block (its header says 0)
+            header = torch.zeros(1, self.row, dtype=self.dtype, device=x.device)
+            for d in range(ranks):
+                fabric.put(d, self._names["x"], rank * (self.cap + 1), header)
+                fabric.signal(d, self.dispatch_flag + rank, self._seq)
+            return PackedPending(self._seq, 0, k, torch.zeros(0, dtype=torch.int64), None)
+        key = idx.reshape(-1) + 1  # 0 = no expert, sorts first
         order = np.argsort(key, kind="stable")  # pairs by (expert, token)
         per_expert = np.bincount(key, minlength=self.num_experts + 1)
-        per_dst = per_expert[: self.num_experts].reshape(ranks, lx).sum(axis=1)
-        n = t * k - int(per_expert[self.num_experts])
-        order = order[:n]
-        expert = key[order]
+        per_dst = per_expert[1:].reshape(ranks, lx).sum(axis=1)
+        n = t * k - int(per_expert[0])
+        order = order[t * k - n :]
+        expert = key[order] - 1
         dst = expert // lx
         starts = np.cumsum(per_dst) - per_dst  # first pair of each peer
         position = np.arange(n) + dst + 1  # payload row of each pair: after the headers of peers <= its own
