@@ -343,10 +343,11 @@ def grouped_experts(
     """Run each received token through its expert: source [R, D] holds the tokens at `rows` [N] (int64), routed to
     local experts `local` [N] -> y [N, D], row i = expert local[i] applied to source[rows[i]].
 
-    Small batches (decode) group the tokens per expert into a zero-padded [E_local, max_count, D] batch (padding
-    reads source row 0 and is never returned): all experts run as two bmm's whatever the routing. Large batches
-    (prefill, SEGMENT_MIN_ROWS tokens per expert on average) sort the tokens by expert and run one GEMM pair per
-    expert on its contiguous segment: no padding, and per-op overhead no longer matters."""
+    Decode batches group the tokens per expert into a zero-padded [E_local, max_count, D] batch (padding reads
+    source row 0 and is never returned): all experts run as two bmm's whatever the routing. Very small batches (fewer
+    than 2 tokens per expert: most experts idle) and large ones (prefill, SEGMENT_MIN_ROWS tokens per expert on
+    average) sort the tokens by expert and run one GEMM pair per expert that has tokens, on its contiguous segment:
+    no padding and no idle expert's weights read; the per-op overhead is small next to that or to the GEMMs."""
     n = len(rows)
     if n == 0:
         return source.new_empty(0, source.shape[1])
@@ -355,7 +356,7 @@ def grouped_experts(
     order = np.argsort(local, kind="stable")
     starts = np.cumsum(counts) - counts
     inter = experts.down.shape[1]
-    if n >= SEGMENT_MIN_ROWS * num_experts:
+    if n < 2 * num_experts or n >= SEGMENT_MIN_ROWS * num_experts:
         xs = source.index_select(0, torch.from_numpy(rows[order]))  # [N, D] sorted by expert
         ys = torch.empty_like(xs)
         for e in np.nonzero(counts)[0].tolist():

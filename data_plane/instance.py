@@ -169,6 +169,7 @@ class DecodeInstance:
             self.weights = shared.with_experts(model, self.local_experts)
         self._seq = 0
         self._expert_out: torch.Tensor | None = None
+        self._kv_rows = [layer_kv.view(-1, layer_kv.shape[-1]) for layer_kv in pool.kv]  # [frames * page, Dkv] each
         # The graph path keeps the pool's last frame as scratch: the scheduler's frames are the others, and the
         # store's empty row (padding shards) points at the scratch frame.
         frames = pool.frames - (1 if graphs is not None else 0)
@@ -234,7 +235,10 @@ class DecodeInstance:
                 step = tables.sub_step(
                     j, self.weights.rope_cache, self.backends.attention, self.model.embed_tokens.dtype
                 )
-                h = self.weights.embed_tokens[torch.tensor(tokens, dtype=torch.int64, device=device)]  # [m, D]
+                if tables.m:
+                    h = self.weights.embed_tokens[torch.tensor(tokens, dtype=torch.int64, device=device)]  # [m, D]
+                else:
+                    h = self.weights.embed_tokens[:0]
                 for layer in self.weights.layers:
                     h = yield from self._layer(layer, h, tables, step, ctx)
                 with self.timing.phase("sampling", -1, ctx):
@@ -256,14 +260,14 @@ class DecodeInstance:
 
     def _layer(self, w: DecodeLayerWeights, h: torch.Tensor, tables: _IterationTables, step: _SubStep, ctx: dict):
         c, i, timing = self.model.config, w.index, self.timing
-        kv_pages = self.pool.kv[i]  # [frames, page, Dkv]
+        kv_pages = self.pool.kv[i] if tables.s else None  # [frames, page, Dkv]
         q_latent = None
         with timing.phase("projection", i, ctx):
             if tables.m:
                 q_latent, kv_new = project(w, c, h, step.rope)  # [m, H, Dqk], [m, Dkv]
                 if step.writes:  # masked rows (past their window) write nothing
                     kv_new = kv_new if step.write_rows is None else kv_new.index_select(0, step.write_rows)
-                    kv_pages.view(-1, kv_pages.shape[-1]).index_copy_(0, step.kv_slots, kv_new.to(kv_pages.dtype))
+                    self._kv_rows[i].index_copy_(0, step.kv_slots, kv_new.to(kv_pages.dtype))
         seq = self._next_seq()
         with timing.phase("q_route", i, ctx):
             if tables.q_send is not None:
@@ -431,6 +435,8 @@ class _IterationTables:
 
     @classmethod
     def build(cls, t: RoutingTables, store: BlockTableStore, page_size: int) -> _IterationTables:
+        if not len(t.moe) and not len(t.shards) and not len(t.q_send) and not len(t.res_send):
+            return cls.idle(page_size)
         moe = t.moe.astype(np.int64)  # [m, 4]: batch index, first position, local tail shard, window
         shards = t.shards.astype(np.int64)  # [s, 4]: batch index, q source, tokens, slot
         m, s = len(moe), len(shards)
@@ -475,6 +481,33 @@ class _IterationTables:
             merge_index=_merge_index(tail, res_recv[:, 1], s) if len(res_recv) else None,
         )
 
+    @classmethod
+    def idle(cls, page_size: int) -> _IterationTables:
+        """An instance with no request and no shard this iteration: it only takes part in the MoE exchange."""
+        none = np.zeros(0, dtype=np.int64)
+        return cls(
+            m=0,
+            s=0,
+            batch_indices=[],
+            row_of={},
+            first=none,
+            window=none,
+            tail=none,
+            full_lens=none,
+            host_blocks=np.zeros((0, 1), dtype=np.int32),
+            block_table=torch.zeros(0, 1, dtype=torch.int32),
+            page_size=page_size,
+            q_send=None,
+            q_sources=[],
+            shard_q_index=None,
+            q_recv_rows=0,
+            res_send=None,
+            res_sources=[],
+            n_res_recv=0,
+            tail_index=None,
+            merge_index=None,
+        )
+
     def shard_queries(self, q_latent: torch.Tensor | None, q_recv: torch.Tensor) -> torch.Tensor:
         """The query of every shard [s, H, Dqk]: local rows' own, the others' from the receive buffer."""
         if self.shard_q_index is None:
@@ -488,6 +521,9 @@ class _IterationTables:
     def sub_step(self, j: int, rope: RopeCache, attention, dtype: torch.dtype) -> _SubStep:
         """Sub-step j: a row past its window (masked) keeps its last position and whole tail shard, writes
         nothing and is not sampled."""
+        if not self.m and not self.s:
+            none = torch.zeros(0, dtype=torch.int64)
+            return _SubStep(j, None, none.bool(), [], None, 0, none, none, None)
         active = j < self.window  # [m]
         step = np.minimum(j, self.window - 1)  # [m]
         token_index = self.full_lens[self.tail] - self.window + step  # [m] slot of the token in its tail shard

@@ -87,6 +87,7 @@ class PackedDispatcher:
         fabric.register(self._names["y"], (ranks * self.cap, hidden), dtype, timeout_s)
         self.dispatch_flag = fabric.reserve_flags(ranks)
         self.combine_flag = fabric.reserve_flags(ranks)
+        self._empty_header = torch.zeros(1, self.row, dtype=dtype, device=fabric.buffer(self._names["y"]).device)
         self._seq = 0
 
     @property
@@ -107,9 +108,8 @@ class PackedDispatcher:
         fabric, rank, ranks, lx = self.fabric, self.fabric.rank, self.fabric.world_size, self.local_experts
         t, k = idx.shape
         if t == 0:  # nothing to send: every peer gets an empty block (its header says 0)
-            header = torch.zeros(1, self.row, dtype=self.dtype, device=x.device)
             for d in range(ranks):
-                fabric.put(d, self._names["x"], rank * (self.cap + 1), header)
+                fabric.put(d, self._names["x"], rank * (self.cap + 1), self._empty_header)
                 fabric.signal(d, self.dispatch_flag + rank, self._seq)
             return PackedPending(self._seq, 0, k, torch.zeros(0, dtype=torch.int64), None)
         key = idx.reshape(-1) + 1  # 0 = no expert, sorts first
