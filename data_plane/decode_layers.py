@@ -382,23 +382,23 @@ def routed_experts_sum(
 ) -> torch.Tensor:
     """The routed part of a MoE layer with every expert local (the driver's prefill): x [T, D], topk_idx [T, k]
     (all chosen), topk_weights [T, k] -> sum over k of weight * expert(x) [T, D], accumulated in fp32. The (token,
-    expert) pairs are sorted by expert, each expert runs one GEMM pair on its segment, and the weighted outputs are
-    added into their tokens' rows."""
+    expert) pairs are sorted by expert; each expert gathers its tokens, runs one GEMM pair and adds its weighted
+    outputs into their rows (one expert's working set at a time stays in cache)."""
     t, k = topk_idx.shape
     local = topk_idx.reshape(-1).cpu().numpy()
     order = np.argsort(local, kind="stable")  # pairs by (expert, token)
     counts = np.bincount(local, minlength=experts.gate_up.shape[0])
     starts = np.cumsum(counts) - counts
     token = torch.from_numpy(order // k)
-    xs = x.index_select(0, token)  # [T * k, D]
-    ys = torch.empty_like(xs, dtype=torch.float32)
+    weight = topk_weights.reshape(-1)[torch.from_numpy(order)].float()[:, None]  # [T * k, 1]
+    out = torch.zeros(t, x.shape[1], dtype=torch.float32)
     inter = experts.down.shape[1]
     for e in np.nonzero(counts)[0].tolist():
         part = slice(int(starts[e]), int(starts[e] + counts[e]))
-        gate_up = xs[part] @ experts.gate_up[e]
-        ys[part] = (F.silu(gate_up[:, :inter]) * gate_up[:, inter:]) @ experts.down[e]
-    ys *= topk_weights.reshape(-1)[torch.from_numpy(order)].float()[:, None]
-    return torch.zeros(t, x.shape[1], dtype=torch.float32).index_add_(0, token, ys).to(x.dtype)
+        gate_up = x.index_select(0, token[part]) @ experts.gate_up[e]
+        y = (F.silu(gate_up[:, :inter]) * gate_up[:, inter:]) @ experts.down[e]
+        out.index_add_(0, token[part], y.float().mul_(weight[part]))
+    return out.to(x.dtype)
 
 
 def slab_experts(experts: GroupedExperts | None, recv_x: torch.Tensor, out: torch.Tensor) -> None:
