@@ -9,8 +9,9 @@ direction, its (token, expert) pairs sorted by (expert, token):
 - combine: the expert outputs of the pairs a source sent, in the same order, into the source's `y` buffer at
   [rank * cap, ...); the source gathers each (token, slot) result and sums them with the gate weights (fp32).
 cap = max_tokens * min(top_k, local experts) bounds the pairs one rank sends one peer. Every rank signals every
-rank in both directions (also with nothing to send), so a combine waits for all ranks: a rank's next dispatch can
-only start once every peer has consumed what it received (the buffers are reused every layer).
+other rank in both directions (also with nothing to send), so a combine waits for all ranks: a rank's next
+dispatch can only start once every peer has consumed what it received (the buffers are reused every layer). A
+rank's block for itself is a plain copy into its own buffer (no put, no flag).
 """
 
 from __future__ import annotations
@@ -87,6 +88,7 @@ class PackedDispatcher:
         fabric.register(self._names["y"], (ranks * self.cap, hidden), dtype, timeout_s)
         self.dispatch_flag = fabric.reserve_flags(ranks)
         self.combine_flag = fabric.reserve_flags(ranks)
+        self._peers = [r for r in range(ranks) if r != fabric.rank]
         self._empty_header = torch.zeros(1, self.row, dtype=dtype, device=fabric.buffer(self._names["y"]).device)
         self._seq = 0
 
@@ -105,12 +107,12 @@ class PackedDispatcher:
         check=False skips validating topk_idx (for a gate's own top-k output)."""
         idx = self._check_inputs(x, topk_idx) if check else topk_idx.cpu().numpy()  # [T, k]
         self._seq += 1
-        fabric, rank, ranks, lx = self.fabric, self.fabric.rank, self.fabric.world_size, self.local_experts
+        rank, ranks, lx = self.fabric.rank, self.fabric.world_size, self.local_experts
         t, k = idx.shape
         if t == 0:  # nothing to send: every peer gets an empty block (its header says 0)
             for d in range(ranks):
-                fabric.put(d, self._names["x"], rank * (self.cap + 1), self._empty_header)
-                fabric.signal(d, self.dispatch_flag + rank, self._seq)
+                self._put(d, "x", rank * (self.cap + 1), self._empty_header)
+            self._signal_peers(self.dispatch_flag, self._seq)
             return PackedPending(self._seq, 0, k, torch.zeros(0, dtype=torch.int64), None)
         key = idx.reshape(-1) + 1  # 0 = no expert, sorts first
         order = np.argsort(key, kind="stable")  # pairs by (expert, token)
@@ -134,9 +136,8 @@ class PackedDispatcher:
         self._tags(payload).copy_(torch.from_numpy(tags))
         row = rank * (self.cap + 1)
         for d, (first, count) in enumerate(zip(headers.tolist(), per_dst.tolist())):
-            fabric.put(d, self._names["x"], row, payload[first : first + 1 + count])
-        for d in range(ranks):
-            fabric.signal(d, self.dispatch_flag + rank, self._seq)
+            self._put(d, "x", row, payload[first : first + 1 + count])
+        self._signal_peers(self.dispatch_flag, self._seq)
         result_rows = np.zeros(t * k, dtype=np.int64)
         result_rows[order] = dst * self.cap + np.arange(n) - starts[dst]
         valid = None if n == t * k else torch.from_numpy(idx >= 0)
@@ -144,7 +145,7 @@ class PackedDispatcher:
 
     def wait_flags(self, pending: PackedPending) -> list[tuple[int, int]]:
         """(flag, value) pairs that must hold before dispatch_finish: every rank has sent its tokens."""
-        return [(self.dispatch_flag + src, pending.seq) for src in range(self.fabric.world_size)]
+        return [(self.dispatch_flag + src, pending.seq) for src in self._peers]
 
     def dispatch_finish(self, pending: PackedPending) -> PackedReceived:
         """Read what every source sent (call after the dispatch flags hold)."""
@@ -168,18 +169,17 @@ class PackedDispatcher:
         """y [N, hidden]: expert outputs of the received rows, in their order -> back to their sources."""
         if tuple(y.shape) != (len(received.rows), self.hidden):
             raise ValueError(f"y must be [{len(received.rows)}, {self.hidden}], got {tuple(y.shape)}")
-        fabric, rank, cap = self.fabric, self.fabric.rank, self.cap
+        rank, cap = self.fabric.rank, self.cap
         offset = 0
         for src, count in enumerate(received.source_counts):
             if count:
-                fabric.put(src, self._names["y"], rank * cap, y[offset : offset + count])
+                self._put(src, "y", rank * cap, y[offset : offset + count])
             offset += count
-        for dst in range(fabric.world_size):
-            fabric.signal(dst, self.combine_flag + rank, received.seq)
+        self._signal_peers(self.combine_flag, received.seq)
 
     def combine_wait_flags(self, pending: PackedPending) -> list[tuple[int, int]]:
         """(flag, value) pairs that must hold before combine_finish: every rank has sent its outputs."""
-        return [(self.combine_flag + src, pending.seq) for src in range(self.fabric.world_size)]
+        return [(self.combine_flag + src, pending.seq) for src in self._peers]
 
     def combine_finish(self, pending: PackedPending, topk_weights: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """out [T, hidden] = sum over the top-k slots of weight * expert output, accumulated in fp32."""
@@ -196,6 +196,19 @@ class PackedDispatcher:
             weights = weights.masked_fill(~pending.valid, 0.0)
             results = results.masked_fill(~pending.valid[..., None], 0.0)
         return torch.bmm(weights[:, None, :], results)[:, 0].to(dtype)
+
+    # ---- transport ----------------------------------------------------------------------------------------
+    def _put(self, dst: int, buffer: str, row: int, rows: torch.Tensor) -> None:
+        """rows into dst's buffer at `row`: a plain copy into this rank's own buffer, a fabric put otherwise."""
+        if dst == self.fabric.rank:
+            self.fabric.buffer(self._names[buffer])[row : row + rows.shape[0]].copy_(rows)
+        else:
+            self.fabric.put(dst, self._names[buffer], row, rows)
+
+    def _signal_peers(self, flag_base: int, seq: int) -> None:
+        """Tell every other rank this rank's part of exchange `seq` is in place (its own part needs no flag)."""
+        for dst in self._peers:
+            self.fabric.signal(dst, flag_base + self.fabric.rank, seq)
 
     # ---- checks -------------------------------------------------------------------------------------------
     def _check_inputs(self, x: torch.Tensor, topk_idx: torch.Tensor) -> np.ndarray:
