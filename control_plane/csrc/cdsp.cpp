@@ -70,16 +70,17 @@ using Word = std::uint64_t;
 inline bool test_bit(const Word* bits, int i) { return (bits[i >> 6] >> (i & 63)) & 1; }
 inline void set_bit(Word* bits, int i) { bits[i >> 6] |= Word{1} << (i & 63); }
 
-// Whether any of the bits [first, last) is set.
-inline bool any_bit(const Word* bits, int first, int last) {
-  for (int w = first >> 6; w <= (last - 1) >> 6; ++w) {
-    Word mask = ~Word{0};
-    if (w == first >> 6) mask &= ~Word{0} << (first & 63);
-    if (w == (last - 1) >> 6 && (last & 63) != 0) mask &= ~(~Word{0} << (last & 63));
-    if (bits[w] & mask) return true;
+// The bits of one node's instances (numbered node by node): at most two words.
+struct NodeBits {
+  int w0, w1;     // word indices (w1 = -1 if the node fits in one word)
+  Word m0, m1;    // masks in those words
+  bool any(const Word* bits) const { return (bits[w0] & m0) != 0 || (w1 >= 0 && (bits[w1] & m1) != 0); }
+  bool all(const Word* bits) const { return (bits[w0] & m0) == m0 && (w1 < 0 || (bits[w1] & m1) == m1); }
+  void set(Word* bits) const {
+    bits[w0] |= m0;
+    if (w1 >= 0) bits[w1] |= m1;
   }
-  return false;
-}
+};
 
 struct Member {
   double q;  // queue time, relative to the level's time origin
@@ -126,23 +127,28 @@ struct Pool {
   // This pool = `parent` after Eq. 2, T <- max(0, T - shift). The map is monotone: inside a node only the
   // instances that reach 0 need re-sorting (by instance), and between nodes only the nodes that reach 0 (by node).
   void rebase(const Pool& parent, double shift, int per_node) {
-    members.assign(parent.members.begin(), parent.members.end());
-    for (Member& m : members) m.q = std::max(0.0, m.q - shift);
+    members.resize(parent.members.size());
     segments.assign(parent.segments.begin(), parent.segments.end());
     for (const Segment& seg : segments) {
-      int zeros = seg.begin;
-      while (zeros < seg.end && members[zeros].q == 0.0) ++zeros;
-      if (zeros - seg.begin < 2) continue;
-      if (per_node <= 64) {  // the node's instances are a range of ids: re-sort by a bit mask over it
+      // the instances free by `shift` (T <= shift, so max(0, T - shift) = 0) lead the node, by instance
+      int j = seg.begin;
+      const Member* from = parent.members.data();
+      if (per_node <= 64) {  // the node's instances are a range of ids: order them by a bit mask over it
         const int first_id = seg.node * per_node;
+        if (from[seg.end - 1].q <= shift && seg.size() == per_node) {  // the whole node is free
+          for (int i = 0; i < per_node; ++i) members[seg.begin + i] = Member{0.0, first_id + i, seg.node};
+          continue;
+        }
         Word mask = 0;
-        for (int j = seg.begin; j < zeros; ++j) mask |= Word{1} << (members[j].id - first_id);
-        for (int j = seg.begin; mask != 0; ++j, mask &= mask - 1)
-          members[j] = Member{0.0, first_id + __builtin_ctzll(mask), seg.node};
+        for (; j < seg.end && from[j].q <= shift; ++j) mask |= Word{1} << (from[j].id - first_id);
+        for (int out = seg.begin; mask != 0; ++out, mask &= mask - 1)
+          members[out] = Member{0.0, first_id + __builtin_ctzll(mask), seg.node};
       } else {
-        std::sort(members.begin() + seg.begin, members.begin() + zeros,
+        for (; j < seg.end && from[j].q <= shift; ++j) members[j] = Member{0.0, from[j].id, seg.node};
+        std::sort(members.begin() + seg.begin, members.begin() + j,
                   [](const Member& x, const Member& y) { return x.id < y.id; });
       }
+      for (; j < seg.end; ++j) members[j] = Member{from[j].q - shift, from[j].id, seg.node};
     }
     seg_order.assign(parent.seg_order.begin(), parent.seg_order.end());
     size_t zeros = 0;
@@ -288,6 +294,19 @@ class CdspPlanner {
     if (policy_ == 1 && (fixed_sp < 1 || fixed_sp > n_ || fixed_.empty()))
       throw std::invalid_argument("fixed policy needs 1 <= fixed_sp <= #instances with latency coefficients");
     build_envelopes();
+    for (int node = 0; node < num_nodes; ++node) {  // instances [first, last) of the node
+      const int first = node * per_node_, last = first + per_node_;
+      if (per_node_ > 64) break;  // nodes wider than a word: NodeBits unused (per-instance bit tests instead)
+      NodeBits nb{first >> 6, -1, 0, 0};
+      for (int i = first; i < last; ++i) {
+        if ((i >> 6) == nb.w0) nb.m0 |= Word{1} << (i & 63);
+        else {
+          nb.w1 = i >> 6;
+          nb.m1 |= Word{1} << (i & 63);
+        }
+      }
+      node_bits_.push_back(nb);
+    }
     levels_.resize(sizes_.size() + 2);
     for (Level& lv : levels_) {
       lv.next_queue.assign(sizes_.size(), 0.0);
@@ -428,8 +447,20 @@ class CdspPlanner {
     const Word* bits = init.bits.data();
     for (int s = 0; s < nseg; ++s) {
       const Segment& seg = pool.segments[s];
-      // instances are numbered node by node, so a node is a range of bits
-      const bool in_use = init.size > 0 && any_bit(bits, seg.node * per_node_, (seg.node + 1) * per_node_);
+      bool in_use = false;
+      if (init.size == 0) {
+      } else if (per_node_ <= 64) {  // instances are numbered node by node: a node is a range of bits
+        const NodeBits& nb = node_bits_[seg.node];
+        in_use = nb.any(bits);
+        if (in_use && nb.all(bits)) {  // the whole node is in the group: nothing free there
+          info.rank[s] = -1;
+          ++used;
+          queue = std::max(queue, pool.longest(s));
+          continue;
+        }
+      } else {
+        for (int j = seg.begin; j < seg.end && !in_use; ++j) in_use = test_bit(bits, pool.members[j].id);
+      }
       info.rank[s] = in_use ? -1 : 0;
       if (!in_use) continue;
       ++used;
@@ -471,14 +502,18 @@ class CdspPlanner {
       out->size = size;
       bits = out->bits.data();
     }
-    auto take = [&](const Member* first, int count) {  // `count` members sorted by queue
+    // `count` members sorted by queue; `one_node`: all from one node (then count == per_node_ is all of it)
+    auto take = [&](const Member* first, int count, bool one_node) {
       longest = std::max(longest, first[count - 1].q);
-      if (bits != nullptr)
+      if (bits == nullptr) return;
+      if (one_node && count == per_node_ && per_node_ <= 64)
+        node_bits_[first[0].node].set(bits);
+      else
         for (int t = 0; t < count; ++t) set_bit(bits, first[t].id);
     };
     if (need > 0 && init.size > 0) {  // free instances of the nodes already in use
       const int count = std::min(need, static_cast<int>(info.free_used.size()));
-      if (count > 0) take(info.free_used.data(), count);
+      if (count > 0) take(info.free_used.data(), count, false);
       need -= count;
     }
     // Untouched nodes. Whole nodes go in whole_order until one node can hold the rest; then the node whose
@@ -486,22 +521,26 @@ class CdspPlanner {
     int next_whole = 0;
     while (need > 0) {
       if (need <= info.suffix_len[next_whole]) {
-        int best = -1;
-        double best_val = 0.0;
-        for (int s = 0; s < static_cast<int>(pool.segments.size()); ++s) {
-          const Segment& seg = pool.segments[s];
-          if (info.rank[s] < next_whole || seg.size() < need) continue;  // in use or taken
-          const double v = pool.members[seg.begin + need - 1].q;
-          if (best < 0 || v < best_val) {
-            best = s;
-            best_val = v;
+        int best = info.whole_order[next_whole];  // nodes of one size, all needed: the first whole node
+        if (!info.equal_nodes || need != pool.segments[best].size()) {
+          best = -1;
+          double best_val = 0.0;
+          for (size_t i = next_whole; i < info.whole_order.size(); ++i) {  // the untouched nodes left
+            const int s = info.whole_order[i];
+            const Segment& seg = pool.segments[s];
+            if (seg.size() < need) continue;
+            const double v = pool.members[seg.begin + need - 1].q;
+            if (best < 0 || v < best_val || (v == best_val && s < best)) {  // ties: node order
+              best = s;
+              best_val = v;
+            }
           }
         }
-        take(&pool.members[pool.segments[best].begin], need);
+        take(&pool.members[pool.segments[best].begin], need, true);
         break;
       }
       const Segment& seg = pool.segments[info.whole_order[next_whole++]];
-      take(&pool.members[seg.begin], seg.size());
+      take(&pool.members[seg.begin], seg.size(), true);
       need -= seg.size();
     }
     queue = longest;
@@ -941,6 +980,7 @@ class CdspPlanner {
   std::vector<Envelope> envelope_;  // [lo * #sizes + hi]
   std::vector<double> min_a_;       // per size index: the smallest overhead a over attention modes
   std::vector<std::vector<Envelope>> work_;  // [lo * #sizes + hi]: one per set of attention modes
+  std::vector<NodeBits> node_bits_;  // per node, when instances_per_node <= 64
   std::vector<Level> levels_;
   std::vector<MemoEntry> memo_;  // entries [0, memo_used_) belong to the current plan call
   size_t memo_used_ = 0;
