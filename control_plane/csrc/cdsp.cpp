@@ -605,9 +605,10 @@ class CdspPlanner {
     // Stop here if no chunked plan can beat the single-chunk plan (or reach the caller's cutoff).
     if (std::isnan(chunked_key)) {
       ready_times(lv.pool, lv.init_pool, lo, cdsp_hi, lv.ready, lv.other);
-      chunked_key = t0 + lower_bound(lo, cdsp_hi, tokens, context, lv.ready, 0.0) * (1.0 - 1e-9);
+      if (cannot_reach(lo, cdsp_hi, tokens, context, lv.ready, t0, std::min(cutoff, best_ttft))) return best_ttft;
+    } else if (beyond(chunked_key, std::min(cutoff, best_ttft))) {
+      return best_ttft;
     }
-    if (beyond(chunked_key, std::min(cutoff, best_ttft))) return best_ttft;
     if (depth > 0) {
       const MemoEntry* hit = memo_find(lv, tokens, context, init, lo, hi, t0, cutoff);
       if (hit != nullptr) {
@@ -636,8 +637,7 @@ class CdspPlanner {
     ready_times(sub, init_sub, lo, cdsp_hi, lv.level_ready, lv.other);
     for (int kc = lo; kc < cdsp_hi; ++kc) {
       // every chunk of a plan that starts on s_current has at least s_current instances
-      if (kc > lo && beyond(t0 + lower_bound(kc, cdsp_hi, tokens, context, lv.level_ready, 0.0) * (1.0 - 1e-9),
-                            std::min(cutoff, best_ttft)))
+      if (kc > lo && cannot_reach(kc, cdsp_hi, tokens, context, lv.level_ready, t0, std::min(cutoff, best_ttft)))
         continue;
       Group& current = lv.currents[kc - lo];
       double queue_cur = 0.0;
@@ -805,17 +805,26 @@ class CdspPlanner {
     }
   }
 
+  // Whether no plan of the remaining `tokens` on sizes_[lo..hi], starting at t0, can reach `bound`.
+  bool cannot_reach(int lo, int hi, long long tokens, long long context, const std::vector<double>& ready, double t0,
+                    double bound) const {
+    const double stop = (bound * (1.0 + 1e-12) - t0) / (1.0 - 1e-9);
+    return beyond(t0 + lower_bound(lo, hi, tokens, context, ready, 0.0, stop) * (1.0 - 1e-9), bound);
+  }
+
   // Lower bound of the TTFT (relative to the level's origin, after Eq. 2 by `shift`) of any plan of the remaining
   // `tokens` whose chunks use sizes_[lo..hi], given the ready times of those sizes. For a plan whose last chunk
   // has s_f instances:
   //   - all its work runs after the first chunk's group is ready, at no less than the envelope of Eq. 1;
   //   - the last chunk starts once its group is ready; before that, the earlier (smaller) chunks can do at most
   //     the work that fits in the instance-seconds of the groups ready by then (each chunk runs on at most the
-  //     largest size ready when it starts), and every token left over runs in the last chunk -- or the last
-  //     chunk starts later, by the extra work divided by the largest earlier size.
+  //     largest size ready when it starts), less one chunk overhead per attention mode they use, and every token
+  //     left over runs in the last chunk -- or the last chunk starts later, by the extra work divided by the
+  //     largest earlier size.
   // The bound is the smallest over s_f; it never exceeds any plan's TTFT, so pruning with it changes nothing.
+  // With `stop`, returns -inf as soon as some s_f gives a value <= stop (callers that only compare with stop).
   double lower_bound(int lo, int hi, long long tokens, long long context, const std::vector<double>& ready,
-                     double shift) const {
+                     double shift, double stop = -kInf) const {
     const double rest = static_cast<double>(tokens);
     const double ctx = static_cast<double>(context);
     const size_t m = sizes_.size();
@@ -856,6 +865,7 @@ class CdspPlanner {
         }
       }
       lower = std::min(lower, std::max(work, tail));
+      if (lower <= stop) return -kInf;
     }
     return lower;
   }
