@@ -213,8 +213,9 @@ class SchedulerCore {
   int32_t new_slot();
   void delete_request(int32_t slot);
   void compact_running(bool force = false);  // drop the holes (only once they are an eighth of the batch)
-  // Batch passes stream the batch records and touch a request only on its slow path: its line is fetched kFar
-  // records ahead when the record says the slow path is likely.
+  // The plain growth pass streams the batch records and touches a request only on its slow path: its line is fetched
+  // kFar records ahead when the record says the slow path is likely. (Lowering does not: the requests it reads are
+  // those the step just visited, whose lines are still cached, and fetching them ahead measured slower.)
   static constexpr size_t kFar = 48;
   void prefetch_request(size_t k) const {
     if (k + kFar < running_.size() && running_[k + kFar] >= 0) prefetch_line(&reqs_[running_[k + kFar]]);

@@ -113,7 +113,6 @@ void SchedulerCore::write_tables(std::vector<Cursor>& cur, int only) {
   while (k < n) {
     // A run of records lowered from the record alone: no call inside keeps the loop's values in registers.
     for (; k < n && (!kFull && recs[k].lower_fast); ++k) {
-      if (k + kFar < n && !recs[k + kFar].lower_fast) prefetch_request(k);
       const BatchRec& b = recs[k];
       Cursor& c = cursors[b.moe];
       const int32_t moe_row = c.n_moe++, shard_idx = c.n_shards++;
@@ -131,7 +130,6 @@ void SchedulerCore::write_tables(std::vector<Cursor>& cur, int only) {
       c.max_blocks = std::max(c.max_blocks, b.blocks);
     }
     if (k == n) break;
-    if (k + kFar < n && (kFull || !recs[k + kFar].lower_fast)) prefetch_request(k);
     if (run[k] >= 0) write_request<kAll, kFull>(k, g++, cursors, only);  // several shards, frames to list
     ++k;  // (a hole: skipped)
   }
