@@ -357,7 +357,7 @@ def grouped_experts(
     starts = np.cumsum(counts) - counts
     inter = experts.down.shape[1]
     if n < 2 * num_experts or n >= SEGMENT_MIN_ROWS * num_experts:
-        xs = source.index_select(0, torch.from_numpy(rows[order]))  # [N, D] sorted by expert
+        xs = source.index_select(0, torch.from_numpy(rows[order]).to(source.device))  # [N, D] sorted by expert
         ys = torch.empty_like(xs)
         for e in np.nonzero(counts)[0].tolist():
             part = slice(int(starts[e]), int(starts[e] + counts[e]))
@@ -365,16 +365,16 @@ def grouped_experts(
             torch.mm(F.silu(gate_up[:, :inter]) * gate_up[:, inter:], experts.down[e], out=ys[part])
         inverse = np.empty(n, dtype=np.int64)
         inverse[order] = np.arange(n)
-        return ys.index_select(0, torch.from_numpy(inverse))
+        return ys.index_select(0, torch.from_numpy(inverse).to(ys.device))
     width = int(counts.max())
     slot = np.empty(n, dtype=np.int64)
     slot[order] = local[order] * width + np.arange(n) - starts[local[order]]  # padded slot of token i
     padded_rows = np.zeros(num_experts * width, dtype=np.int64)
     padded_rows[slot] = rows
-    xp = source.index_select(0, torch.from_numpy(padded_rows)).view(num_experts, width, -1)
+    xp = source.index_select(0, torch.from_numpy(padded_rows).to(source.device)).view(num_experts, width, -1)
     gate_up = torch.bmm(xp, experts.gate_up)  # [E, width, 2I]
     yp = torch.bmm(F.silu(gate_up[..., :inter]) * gate_up[..., inter:], experts.down)  # [E, width, D]
-    return yp.view(num_experts * width, -1).index_select(0, torch.from_numpy(slot))
+    return yp.view(num_experts * width, -1).index_select(0, torch.from_numpy(slot).to(yp.device))
 
 
 def routed_experts_sum(

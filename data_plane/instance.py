@@ -458,6 +458,7 @@ class _IterationTables:
         q_recv_rows = int(source[remote].max()) + 1 if remote.any() else 0
         identity = s == m and not remote.any() and bool((q_index == np.arange(s)).all())
         res_recv = t.res_recv.astype(np.int64)
+        device = block_table.device
         return cls(
             m=m,
             s=s,
@@ -472,13 +473,13 @@ class _IterationTables:
             page_size=page_size,
             q_send=_send_list(t.q_send),
             q_sources=sorted(set(t.q_recv[:, 0].tolist())),
-            shard_q_index=None if identity else torch.from_numpy(q_index),
+            shard_q_index=None if identity else torch.from_numpy(q_index).to(device),
             q_recv_rows=q_recv_rows,
             res_send=_send_list(t.res_send),
             res_sources=sorted(set(t.res_recv[:, 0].tolist())),
             n_res_recv=len(res_recv),
-            tail_index=None if s == m and bool((tail == np.arange(m)).all()) else torch.from_numpy(tail),
-            merge_index=_merge_index(tail, res_recv[:, 1], s) if len(res_recv) else None,
+            tail_index=None if s == m and bool((tail == np.arange(m)).all()) else torch.from_numpy(tail).to(device),
+            merge_index=_merge_index(tail, res_recv[:, 1], s).to(device) if len(res_recv) else None,
         )
 
     @classmethod
@@ -541,7 +542,7 @@ class _IterationTables:
         return _SubStep(
             j=j,
             rope=rope.at(self.first + step) if self.m else None,
-            active=torch.from_numpy(active),
+            active=torch.from_numpy(active).to(device),
             active_rows=write.tolist(),
             write_rows=None if all_active else torch.from_numpy(write).to(device),
             writes=len(write),

@@ -189,12 +189,14 @@ class PackedDispatcher:
             )
         if pending.tokens == 0:
             return torch.zeros(0, self.hidden, dtype=dtype)
-        results = self.fabric.buffer(self._names["y"]).index_select(0, pending.result_rows)
+        buffer = self.fabric.buffer(self._names["y"])
+        results = buffer.index_select(0, pending.result_rows.to(buffer.device))
         results = results.view(pending.tokens, pending.top_k, self.hidden).float()  # [T, k, hidden]
         weights = topk_weights.float()
         if pending.valid is not None:  # slots without an expert read row 0: weight 0, value 0
-            weights = weights.masked_fill(~pending.valid, 0.0)
-            results = results.masked_fill(~pending.valid[..., None], 0.0)
+            valid = pending.valid.to(buffer.device)
+            weights = weights.masked_fill(~valid, 0.0)
+            results = results.masked_fill(~valid[..., None], 0.0)
         return torch.bmm(weights[:, None, :], results)[:, 0].to(dtype)
 
     # ---- transport ----------------------------------------------------------------------------------------
