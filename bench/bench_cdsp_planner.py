@@ -172,7 +172,8 @@ def markdown(rows: list[dict], meta: dict) -> str:
         "against its unpruned search. The slowest requests are long prompts on big, unevenly loaded pools (whose "
         "best plans have several chunks). The paper does not state its length or queue distributions, so its "
         "Table 2 is a reference point, not the same experiment. All latencies are planner CPU time; the plans come "
-        "from latency models (model outputs), not from GPUs.",
+        "from latency models (model outputs), not from GPUs. This shared VM runs the same binary up to ~1.5x "
+        "slower at times (other tenants), which min-of-repeats does not remove, so tails differ between runs.",
         "",
         f"Machine: {meta['machine']}. Command: `{meta['command']}`.",
         "",
