@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from nanocp.comm.fabric import DEFAULT_TIMEOUT_S, Fabric
@@ -38,6 +39,36 @@ class PendingDispatch:
     topk_idx: torch.Tensor  # int64 [T, k]
     slot: torch.Tensor  # int64 [T, k]
     flag_base: int
+
+
+def check_dispatch_inputs(
+    x: torch.Tensor,
+    topk_idx: torch.Tensor,
+    hidden: int,
+    max_tokens: int,
+    dtype: torch.dtype,
+    num_experts: int,
+    top_k: int | None = None,
+) -> np.ndarray:
+    """Validate a dispatch's x [T, hidden] and topk_idx int64 [T, k] (-1 = no expert, no expert twice per token,
+    k <= top_k when given); returns topk_idx as a numpy array."""
+    if x.dim() != 2 or x.shape[1] != hidden:
+        raise ValueError(f"x must be [T, {hidden}], got {tuple(x.shape)}")
+    if x.shape[0] > max_tokens:
+        raise ValueError(f"{x.shape[0]} tokens exceed max_tokens_per_rank={max_tokens}")
+    if x.dtype != dtype:
+        raise TypeError(f"x dtype {x.dtype} != dispatcher dtype {dtype}")
+    if topk_idx.dtype != torch.int64 or topk_idx.dim() != 2 or topk_idx.shape[0] != x.shape[0]:
+        raise ValueError(f"topk_idx must be int64 [{x.shape[0]}, k], got {topk_idx.dtype} {tuple(topk_idx.shape)}")
+    if top_k is not None and topk_idx.shape[1] > top_k:
+        raise ValueError(f"topk_idx has {topk_idx.shape[1]} slots, the dispatcher was sized for {top_k}")
+    idx = topk_idx.cpu().numpy()
+    if idx.size and (idx.min() < -1 or idx.max() >= num_experts):
+        raise ValueError(f"topk_idx values must lie in [-1, {num_experts})")
+    chosen = np.sort(idx, axis=1)
+    if ((chosen[:, 1:] == chosen[:, :-1]) & (chosen[:, 1:] >= 0)).any():
+        raise ValueError("a token chooses the same expert twice in topk_idx")
+    return idx
 
 
 class LowLatencyDispatcher:
@@ -100,7 +131,7 @@ class LowLatencyDispatcher:
     # ---- split phases: send, then wait (blocking or polled via wait_flags), then finish -----------------------
     def dispatch_send(self, x: torch.Tensor, topk_idx: torch.Tensor) -> PendingDispatch:
         """Put this rank's tokens into the owners' slabs and signal every rank."""
-        self._check_inputs(x, topk_idx)
+        check_dispatch_inputs(x, topk_idx, self.hidden, self.max_tokens, self.dtype, self.num_experts)
         self._seq += 1
         fabric, rank, ranks, lx = self.fabric, self.fabric.rank, self.fabric.world_size, self.local_experts
         expert, token, slot, counts, starts = self._layout(topk_idx)
@@ -153,21 +184,6 @@ class LowLatencyDispatcher:
             self.fabric.wait(flag, value, self.timeout_s)
 
     # ---- helpers ----------------------------------------------------------------------------------------
-    def _check_inputs(self, x: torch.Tensor, topk_idx: torch.Tensor) -> None:
-        if x.dim() != 2 or x.shape[1] != self.hidden:
-            raise ValueError(f"x must be [T, {self.hidden}], got {tuple(x.shape)}")
-        if x.shape[0] > self.max_tokens:
-            raise ValueError(f"{x.shape[0]} tokens exceed max_tokens_per_rank={self.max_tokens}")
-        if x.dtype != self.dtype:
-            raise TypeError(f"x dtype {x.dtype} != dispatcher dtype {self.dtype}")
-        if topk_idx.dtype != torch.int64 or topk_idx.dim() != 2 or topk_idx.shape[0] != x.shape[0]:
-            raise ValueError(f"topk_idx must be int64 [{x.shape[0]}, k], got {topk_idx.dtype} {tuple(topk_idx.shape)}")
-        if topk_idx.numel() and (int(topk_idx.min()) < -1 or int(topk_idx.max()) >= self.num_experts):
-            raise ValueError(f"topk_idx values must lie in [-1, {self.num_experts})")
-        chosen = topk_idx.sort(dim=1).values
-        if bool(((chosen[:, 1:] == chosen[:, :-1]) & (chosen[:, 1:] >= 0)).any()):
-            raise ValueError("a token chooses the same expert twice in topk_idx")
-
     def _layout(self, topk_idx: torch.Tensor):
         """Sort the valid (token, slot) pairs by (expert, token). Returns the sorted experts and tokens,
         slot [T, k] (position of each pair inside its expert block, -1 = none), counts [E], starts [E]."""

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from nanocp.comm.fabric import DEFAULT_TIMEOUT_S, Fabric
+from nanocp.comm.moe_dispatch import check_dispatch_inputs
 
 
 @dataclass
@@ -105,7 +106,11 @@ class PackedDispatcher:
     def dispatch_send(self, x: torch.Tensor, topk_idx: torch.Tensor, check: bool = True) -> PackedPending:
         """x [T, hidden], topk_idx int64 [T, k] (-1 = no expert) -> the pending dispatch; every rank is signalled.
         check=False skips validating topk_idx (for a gate's own top-k output)."""
-        idx = self._check_inputs(x, topk_idx) if check else topk_idx.cpu().numpy()  # [T, k]
+        idx = (
+            check_dispatch_inputs(x, topk_idx, self.hidden, self.max_tokens, self.dtype, self.num_experts, self.top_k)
+            if check
+            else topk_idx.cpu().numpy()
+        )  # [T, k]
         self._seq += 1
         rank, ranks, lx = self.fabric.rank, self.fabric.world_size, self.local_experts
         t, k = idx.shape
@@ -211,23 +216,3 @@ class PackedDispatcher:
         """Tell every other rank this rank's part of exchange `seq` is in place (its own part needs no flag)."""
         for dst in self._peers:
             self.fabric.signal(dst, flag_base + self.fabric.rank, seq)
-
-    # ---- checks -------------------------------------------------------------------------------------------
-    def _check_inputs(self, x: torch.Tensor, topk_idx: torch.Tensor) -> np.ndarray:
-        if x.dim() != 2 or x.shape[1] != self.hidden:
-            raise ValueError(f"x must be [T, {self.hidden}], got {tuple(x.shape)}")
-        if x.shape[0] > self.max_tokens:
-            raise ValueError(f"{x.shape[0]} tokens exceed max_tokens_per_rank={self.max_tokens}")
-        if x.dtype != self.dtype:
-            raise TypeError(f"x dtype {x.dtype} != dispatcher dtype {self.dtype}")
-        if topk_idx.dtype != torch.int64 or topk_idx.dim() != 2 or topk_idx.shape[0] != x.shape[0]:
-            raise ValueError(f"topk_idx must be int64 [{x.shape[0]}, k], got {topk_idx.dtype} {tuple(topk_idx.shape)}")
-        if topk_idx.shape[1] > self.top_k:
-            raise ValueError(f"topk_idx has {topk_idx.shape[1]} slots, the dispatcher was sized for {self.top_k}")
-        idx = topk_idx.cpu().numpy()
-        if idx.size and (idx.min() < -1 or idx.max() >= self.num_experts):
-            raise ValueError(f"topk_idx values must lie in [-1, {self.num_experts})")
-        chosen = np.sort(idx, axis=1)
-        if ((chosen[:, 1:] == chosen[:, :-1]) & (chosen[:, 1:] >= 0)).any():
-            raise ValueError("a token chooses the same expert twice in topk_idx")
-        return idx
