@@ -6,31 +6,10 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from moe_reference import expert_fn, random_topk, reference_combine
 
 from nanocp.comm import InProcessFabric, LowLatencyDispatcher
 from nanocp.comm.launch import run_threads
-
-
-def expert_fn(y: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
-    """A row-wise expert whose result does not depend on the batch: f_e(x) = x * (e + 1) - e / 8."""
-    e = experts.to(torch.float32)
-    return (y.float() * (e + 1)[..., None] - (e / 8)[..., None]).to(y.dtype)
-
-
-def random_topk(tokens: int, k: int, experts: int, gen: torch.Generator, drop: float) -> torch.Tensor:
-    rows = [torch.randperm(experts, generator=gen)[:k] for _ in range(tokens)]
-    idx = torch.stack(rows) if rows else torch.empty(0, k, dtype=torch.int64)
-    idx[torch.rand(tokens, k, generator=gen) < drop] = -1
-    return idx.to(torch.int64)
-
-
-def reference_combine(x, idx, w) -> torch.Tensor:
-    """sum over slots k (in slot order, fp32) of w_k * f_e(x), computed locally."""
-    out = torch.zeros(x.shape, dtype=torch.float32)
-    for k in range(idx.shape[1]):
-        valid = idx[:, k] >= 0
-        out[valid] += w[valid, k, None].float() * expert_fn(x[valid], idx[valid, k]).float()
-    return out.to(x.dtype)
 
 
 def run_moe(world, xs, idxs, ws, num_experts, max_tokens, dtype, iterations=1):

@@ -9,32 +9,11 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from moe_reference import expert_fn, random_topk, reference_combine
 
 from nanocp.comm import InProcessFabric, LowLatencyDispatcher
 from nanocp.comm.launch import run_threads
 from nanocp.data_plane.moe_exchange import PackedDispatcher
-
-
-def expert_fn(x: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
-    """A row-wise expert whose result does not depend on the batch: f_e(x) = x * (e + 1) - e / 8."""
-    e = experts.to(torch.float32)
-    return (x.float() * (e + 1)[..., None] - (e / 8)[..., None]).to(x.dtype)
-
-
-def random_topk(tokens: int, k: int, experts: int, gen: torch.Generator, drop: float) -> torch.Tensor:
-    rows = [torch.randperm(experts, generator=gen)[:k] for _ in range(tokens)]
-    idx = torch.stack(rows) if rows else torch.empty(0, k, dtype=torch.int64)
-    idx[torch.rand(tokens, k, generator=gen) < drop] = -1
-    return idx.to(torch.int64)
-
-
-def weighted_sum(x, idx, w) -> torch.Tensor:
-    """sum over the slots of w_k * f_e(x), computed locally in fp32."""
-    out = torch.zeros(x.shape, dtype=torch.float32)
-    for k in range(idx.shape[1]):
-        valid = idx[:, k] >= 0
-        out[valid] += w[valid, k, None].float() * expert_fn(x[valid], idx[valid, k]).float()
-    return out.to(x.dtype)
 
 
 def run_packed(world, xs, idxs, ws, num_experts, max_tokens, top_k, layers=1):
@@ -73,7 +52,7 @@ def run_packed(world, xs, idxs, ws, num_experts, max_tokens, top_k, layers=1):
     drop=st.sampled_from([0.0, 0.3]),
     seed=st.integers(0, 2**16),
 )
-def test_packed_exchange_delivers_the_routing_and_combines_the_weighted_sum(
+def test_packed_exchange_delivers_the_routing_and_combines_the_reference_combine(
     world, experts_per_rank, k, max_tokens, drop, seed
 ):
     num_experts, hidden = world * experts_per_rank, 8
@@ -98,7 +77,7 @@ def test_packed_exchange_delivers_the_routing_and_combines_the_weighted_sum(
             assert counts == want_counts
             assert experts.tolist() == want_experts
             assert torch.equal(got, torch.stack(want_rows) if want_rows else got.new_zeros(0, hidden))
-            want = weighted_sum(xs[rank] * (layer + 1), idxs[rank], ws[rank])
+            want = reference_combine(xs[rank] * (layer + 1), idxs[rank], ws[rank])
             torch.testing.assert_close(out, want, rtol=1e-6, atol=1e-6)
 
 

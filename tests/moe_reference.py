@@ -1,0 +1,28 @@
+"""Plain references shared by the MoE exchange tests (the static-slab dispatcher and the packed one)."""
+
+from __future__ import annotations
+
+import torch
+
+
+def expert_fn(x: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+    """A row-wise expert whose result does not depend on the batch: f_e(x) = x * (e + 1) - e / 8."""
+    e = experts.to(torch.float32)
+    return (x.float() * (e + 1)[..., None] - (e / 8)[..., None]).to(x.dtype)
+
+
+def random_topk(tokens: int, k: int, experts: int, gen: torch.Generator, drop: float) -> torch.Tensor:
+    """[tokens, k] distinct experts per token, each slot dropped (-1) with probability `drop`."""
+    rows = [torch.randperm(experts, generator=gen)[:k] for _ in range(tokens)]
+    idx = torch.stack(rows) if rows else torch.empty(0, k, dtype=torch.int64)
+    idx[torch.rand(tokens, k, generator=gen) < drop] = -1
+    return idx.to(torch.int64)
+
+
+def reference_combine(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """sum over slots k (in slot order, fp32) of w_k * f_e(x), computed locally."""
+    out = torch.zeros(x.shape, dtype=torch.float32)
+    for k in range(idx.shape[1]):
+        valid = idx[:, k] >= 0
+        out[valid] += w[valid, k, None].float() * expert_fn(x[valid], idx[valid, k]).float()
+    return out.to(x.dtype)
