@@ -16,7 +16,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor
 from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass
@@ -258,37 +258,55 @@ class InlineCluster(_InProcessCluster):
         def start(r: int):
             return self.instances[r].iteration(RoutingTables.parse(sent[r]), rows[r], return_logits)
 
-        steps = {r: start(r) for r in range(len(self.instances))}
-        waits = {r: None for r in steps}
-        outputs: list[RowOutput] = []
+        def restart(r: int, error: StaleBlockTableError):  # refused on its first resume, before any exchange
+            if not TableFeed.can_resend_full(sent[r], full_tables):
+                raise InstanceFailure(f"decode iteration failed on instance {r}: {error!r}") from error
+            sent[r] = full_tables()[r]
+            return start(r)
+
         try:
-            while waits:
-                moved = False
-                for r in list(waits):
-                    wait, fabric = waits[r], self.instances[r].fabric
-                    if wait is not None and any(fabric.read_flag(f) < v for f, v in wait.flags):
-                        continue
-                    try:
-                        waits[r] = steps[r].send(None)
-                    except StopIteration as done:
-                        outputs.extend(done.value)
-                        del waits[r]
-                    except StaleBlockTableError as e:  # refused on its first resume, before any exchange
-                        if not TableFeed.can_resend_full(sent[r], full_tables):
-                            raise InstanceFailure(f"decode iteration failed on instance {r}: {e!r}") from e
-                        sent[r] = full_tables()[r]
-                        steps[r] = start(r)
-                    except Exception as e:
-                        raise InstanceFailure(f"decode iteration failed on instance {r}: {e!r}") from e
-                    moved = True
-                if not moved:
-                    raise InstanceFailure(f"decode iteration deadlocked: instances {sorted(waits)} wait forever")
+            outputs = drive_cooperatively([inst.fabric for inst in self.instances], start, restart)
         except InstanceFailure:
             self.feed.forget()
             raise
         for r, table in enumerate(sent):
             self.feed.held_now(r, table)
         return outputs
+
+
+def drive_cooperatively(
+    fabrics: list,
+    start: Callable[[int], Generator],
+    restart: Callable[[int, StaleBlockTableError], Generator] | None = None,
+) -> list[RowOutput]:
+    """Run one iteration of every instance in this thread: start(r) is instance r's iteration generator, which
+    yields a wait (flags on its fabric) at every exchange; whichever instance's wait is satisfied is resumed. A table
+    refused on the first resume is handed to restart(r, error) for a new generator (no restart: a failure). Any
+    error, and a round in which no instance can move (a deadlock), raises InstanceFailure at once."""
+    steps = {r: start(r) for r in range(len(fabrics))}
+    waits = {r: None for r in steps}
+    outputs: list[RowOutput] = []
+    while waits:
+        moved = False
+        for r in list(waits):
+            wait = waits[r]
+            if wait is not None and any(fabrics[r].read_flag(f) < v for f, v in wait.flags):
+                continue
+            try:
+                waits[r] = steps[r].send(None)
+            except StopIteration as done:
+                outputs.extend(done.value)
+                del waits[r]
+            except StaleBlockTableError as e:
+                if restart is None:
+                    raise InstanceFailure(f"decode iteration failed on instance {r}: {e!r}") from e
+                steps[r] = restart(r, e)
+            except Exception as e:
+                raise InstanceFailure(f"decode iteration failed on instance {r}: {e!r}") from e
+            moved = True
+        if not moved:
+            raise InstanceFailure(f"decode iteration deadlocked: instances {sorted(waits)} wait forever")
+    return outputs
 
 
 def _process_main(cfg: ClusterConfig, rank: int, fabric_info, pool_kv: torch.Tensor, conn) -> None:

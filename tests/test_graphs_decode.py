@@ -18,7 +18,7 @@ import torch
 from nanocp.comm import InProcessFabric
 from nanocp.control_plane import ClusterSpec, CPBucketTable, GlobalScheduler
 from nanocp.control_plane.lowering import RoutingTables
-from nanocp.data_plane.cluster import experts_of
+from nanocp.data_plane.cluster import drive_cooperatively, experts_of
 from nanocp.data_plane.graph_runner import (
     build_graph_engine,
     deepseek_v3_pool_plan,
@@ -79,23 +79,10 @@ class Cluster:
             self.instances = list(ex.map(build, range(N)))
 
     def run(self, tables, rows):
-        steps = {
-            r: inst.iteration(RoutingTables.parse(tables[r]), rows[r], True) for r, inst in enumerate(self.instances)
-        }
-        waits, out = {r: None for r in steps}, []
-        while waits:
-            moved = False
-            for r in list(waits):
-                wait, fabric = waits[r], self.instances[r].fabric
-                if wait is not None and any(fabric.read_flag(f) < v for f, v in wait.flags):
-                    continue
-                try:
-                    waits[r] = steps[r].send(None)
-                except StopIteration as done:
-                    out.extend(done.value)
-                    del waits[r]
-                moved = True
-            assert moved, "deadlock"
+        def start(r: int):
+            return self.instances[r].iteration(RoutingTables.parse(tables[r]), rows[r], True)
+
+        out = drive_cooperatively([inst.fabric for inst in self.instances], start)
         return sorted(out, key=lambda o: o.batch_index)
 
 
