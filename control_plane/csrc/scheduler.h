@@ -237,7 +237,7 @@ class SchedulerCore {
   void track_budget(size_t pos);
   Entry entry(size_t pos) const { return {reqs_[running_[pos]].uid, compactions_, running_[pos], int32_t(pos)}; }
   int64_t locate(const Entry& e) const;  // the entry's batch position now, -1 if it left the batch
-  bool collect_events(int64_t done, int64_t steps_after);
+  void collect_events(int64_t done, int64_t steps_after);
   bool events_fit(int64_t done, int64_t steps);
 
   // one iteration
@@ -347,6 +347,7 @@ class SchedulerCore {
   std::vector<std::pair<int32_t, int64_t>> split_;  // (instance, tokens) in split order
   std::vector<int32_t> members_, order_;
   std::vector<int64_t> loads_, fill_;
+  std::vector<int64_t> event_pages_;  // [instances] pages this step's events need
   std::vector<int32_t> node_order_;
   std::vector<Ref> still_waiting_;
   std::vector<MultiRef> multi_sorted_;

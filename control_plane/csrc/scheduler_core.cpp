@@ -450,10 +450,11 @@ void SchedulerCore::grow_all() {
   const int64_t done = steps_done_, steps = num_steps_;
   grow_iter_ = iteration_;
   grow_steps_ = int32_t(steps);
-  if (calendar_ && collect_events(done, done + steps) && events_fit(done, steps))
-    grow_events(done, steps);
-  else
-    grow_scan(done, steps);
+  if (calendar_) {
+    collect_events(done, done + steps);
+    if (events_fit(done, steps)) return grow_events(done, steps);
+  }
+  grow_scan(done, steps);
 }
 
 void SchedulerCore::track(size_t pos) {
@@ -480,7 +481,7 @@ int64_t SchedulerCore::locate(const Entry& e) const {
 
 // The running requests whose tail page fills or whose decode budget ends by steps_after, into events_ in batch
 // order (stale calendar entries, of requests that finished, moved or were re-admitted since, are dropped).
-bool SchedulerCore::collect_events(int64_t done, int64_t steps_after) {
+void SchedulerCore::collect_events(int64_t done, int64_t steps_after) {
   events_.clear();
   auto add = [&](int64_t pos) {
     const int32_t slot = running_[size_t(pos)];
@@ -511,22 +512,21 @@ bool SchedulerCore::collect_events(int64_t done, int64_t steps_after) {
   }
   std::sort(events_.begin(), events_.end());
   events_.erase(std::unique(events_.begin(), events_.end()), events_.end());
-  return true;
 }
 
 // Whether every event's new pages fit its MoE instance's free frames (then no event takes the slow path).
 bool SchedulerCore::events_fit(int64_t done, int64_t steps) {
   const int64_t page = shape_.page_size;
-  fill_.assign(size_t(shape_.num_instances), 0);
+  event_pages_.assign(size_t(shape_.num_instances), 0);
   for (const Event& e : events_) {
     const BatchRec& b = rec_[size_t(e.pos)];
     const int64_t left = rec_due_[size_t(e.pos)] - done;
     const int64_t w = left < steps ? std::max<int64_t>(left, 1) : steps;
     const int64_t after = b.tokens_off + growth_clock_ + w;
-    if (after > int64_t(b.blocks) * page) fill_[size_t(b.moe)] += ceil_div(after, page) - b.blocks;
+    if (after > int64_t(b.blocks) * page) event_pages_[size_t(b.moe)] += ceil_div(after, page) - b.blocks;
   }
   for (int i = 0; i < shape_.num_instances; ++i)
-    if (fill_[size_t(i)] > pages_.free_frames(i)) return false;
+    if (event_pages_[size_t(i)] > pages_.free_frames(i)) return false;
   return true;
 }
 
