@@ -21,9 +21,9 @@ from nanocp.data_plane.cluster import ClusterConfig, InstanceFailure, make_clust
 from nanocp.data_plane.decode_layers import DecodeWeights
 from nanocp.data_plane.instance import InstanceLimits, RowInput, RowOutput
 from nanocp.data_plane.packed_prefill import prefill_packed
-from nanocp.data_plane.sampling import SamplingParams, sample_token, sample_tokens
+from nanocp.data_plane.sampling import SamplingParams, sample_tokens
 from nanocp.data_plane.timing import PhaseRecord
-from nanocp.models import load_config, load_model, load_tokenizer, prefill_forward
+from nanocp.models import load_config, load_model, load_tokenizer
 from nanocp.prefill.handoff import KVDestination
 from nanocp.prefill.tier import CdspPrefillTier, PrefillRequest, TierConfig
 
@@ -260,6 +260,7 @@ class Engine:
         plan = self.scheduler.step(self.config.num_steps)
         self.iterations += 1
         self.last_updated = []
+        self._first_token_only([rid for rid in plan.finished if self._needs_first_token(rid)])
         for rid in plan.finished:
             self._on_scheduler_finished(rid)
         for rid in plan.rejected:
@@ -324,7 +325,6 @@ class Engine:
                 for w in destinations[adm.rid].writes(0, adm.context_len):
                     self.cluster.write_kv(w.instance, list(w.frames), w.start_slot, out.kv[:, w.row_lo : w.row_hi])
                 last_logits[adm.rid] = out.logits[-1]
-        now = time.monotonic()
         fresh = []  # requests whose first output token this prefill samples
         for adm in admitted:
             req = self.requests[adm.rid]
@@ -334,10 +334,14 @@ class Engine:
                 fresh.append(req)
         if not fresh:
             return
-        first_logits = torch.stack([last_logits[req.rid] for req in fresh])  # [n, vocab]
-        firsts = sample_tokens(first_logits, [r.params for r in fresh], [0] * len(fresh), [r.seed for r in fresh])
-        for req, first, row in zip(fresh, firsts, first_logits):
-            self._append(req, first, row.clone() if req.keep_logits else None, now)
+        self._append_first_tokens(fresh, torch.stack([last_logits[req.rid] for req in fresh]))
+
+    def _append_first_tokens(self, reqs: list[_Request], logits: torch.Tensor) -> None:
+        """Sample each request's first output token from its prompt's last logits [n, vocab]."""
+        tokens = sample_tokens(logits, [r.params for r in reqs], [0] * len(reqs), [r.seed for r in reqs])
+        now = time.monotonic()
+        for req, token, row in zip(reqs, tokens, logits):
+            self._append(req, token, row.clone() if req.keep_logits else None, now)
 
     def _append(self, req: _Request, token: int, logits: torch.Tensor | None, now: float) -> None:
         if req.metrics.first_token_time is None:
@@ -367,16 +371,23 @@ class Engine:
             return "length"
         return None
 
+    def _needs_first_token(self, rid: str) -> bool:
+        req = self.requests.get(rid)
+        return req is not None and req.finish_reason is None and not req.output
+
+    def _first_token_only(self, rids: list[str]) -> None:
+        """Requests the scheduler ended before they needed the decode cluster (max_tokens == 1): one packed prefill
+        of all their prompts samples their only token; their KV is not kept."""
+        if not rids:
+            return
+        reqs = [self.requests[rid] for rid in rids]
+        outs = prefill_packed(self.prefill_weights, [torch.tensor(r.prompt, dtype=torch.int64) for r in reqs])
+        self._append_first_tokens(reqs, torch.cat([out.logits for out in outs]))
+
     def _on_scheduler_finished(self, rid: str) -> None:
         req = self.requests.get(rid)
-        if req is None or req.finish_reason is not None:
-            return
-        if not req.output:  # max_tokens == 1: the request never needed the decode cluster
-            out = prefill_forward(self.prefill_model, torch.tensor(req.prompt, dtype=torch.int64))
-            self._append(req, sample_token(out.logits[-1], req.params, 0, req.seed), out.logits[-1], time.monotonic())
-            if req.finish_reason is not None:
-                return
-        self._end(req, "length")
+        if req is not None and req.finish_reason is None:
+            self._end(req, "length")
 
     def _end(self, req: _Request, reason: str, error: str | None = None) -> None:
         req.finish_reason, req.error = reason, error

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -152,6 +153,24 @@ def test_stop_strings_eos_and_text():
         assert one.token_ids == ref.token_ids[:1] and one.finish_reason in ("length", "stop")
         # every page is back once everything is done
         assert all(ld.kv_tokens == 0 for ld in llm.engine.scheduler.loads())
+
+
+def test_single_token_requests_match_the_reference_prefill(reference_model):
+    """max_tokens=1 requests never reach the decode cluster: one packed prefill gives each its only token."""
+    rnd = random.Random(31)
+    prompts = [[rnd.randrange(256) for _ in range(rnd.randrange(1, 20))] for _ in range(5)]
+    params = [SamplingParams(max_tokens=1, temperature=t, seed=rnd.randrange(1000)) for t in (0.0, 0.0, 0.7, 1.2, 0.0)]
+    with LLM("tiny", decode_instances=2) as llm:
+        ones = llm.generate(prompts, params, return_logits=True)
+        longer = [dataclasses.replace(p, max_tokens=3, ignore_eos=True) for p in params]
+        firsts = llm.generate(prompts, longer)
+        plain = llm.generate(prompts[:1], params[:1])[0]
+        assert all(ld.kv_tokens == 0 for ld in llm.engine.scheduler.loads())
+    for prompt, one, first in zip(prompts, ones, firsts):
+        ref = prefill_forward(reference_model, torch.tensor(prompt)).logits[-1]
+        assert len(one.token_ids) == 1 and one.token_ids == first.token_ids[:1]
+        assert_logits_close(one.logits, [ref])
+    assert plain.logits is None  # logits are kept only when asked for
 
 
 def test_bad_requests_are_rejected_without_harming_others():
