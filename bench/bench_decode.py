@@ -4,7 +4,8 @@
 
 Both sides run greedy decoding of the same random 32-token prompts, one after the other in the same process, and
 report generated tokens per second (prefill included on both sides). The headline is the default cluster (4 decode
-instances, inline backend); `--extra-instances N ...` adds clearly labelled rows for other instance counts, each
+instances, inline backend); `--extra N[:backend] ...` adds clearly labelled rows for other configurations (by
+default 1 inline instance, and 2 instances on the processes backend: one process per core of a 2-core machine), each
 interleaved with its own HF runs. The machine's load average is recorded before and after (the machine is shared).
 A timed nanocp run with the per-phase timing log on writes the per-instance phase breakdown
 (bench/results/decode_tiny_timing.jsonl).
@@ -29,6 +30,7 @@ from nanocp import LLM, SamplingParams
 from nanocp.models import ModelConfig, save_tiny_checkpoint
 
 RESULTS = Path(__file__).resolve().parent / "results"
+BACKENDS = ("inline", "threads", "processes")
 
 
 def prompts_for(batch: int, length: int, seed: int) -> list[list[int]]:
@@ -72,10 +74,19 @@ def phase_breakdown(records) -> dict:
     }
 
 
-def compare(hf, args, decode_instances: int) -> list[dict]:
-    """Per batch: median tokens/s of nanocp (`decode_instances`) and HF over interleaved repeats."""
+def parse_config(spec: str, default_backend: str) -> tuple[int, str]:
+    """ "N" or "N:backend" -> (decode instances, backend)."""
+    count, _, backend = spec.partition(":")
+    backend = backend or default_backend
+    if not count.isdigit() or int(count) < 1 or backend not in BACKENDS:
+        raise argparse.ArgumentTypeError(f"bad configuration {spec!r}: expected N or N:backend, backend in {BACKENDS}")
+    return int(count), backend
+
+
+def compare(hf, args, decode_instances: int, backend: str) -> list[dict]:
+    """Per batch: median tokens/s of nanocp (`decode_instances` on `backend`) and HF over interleaved repeats."""
     rows = []
-    with LLM("tiny", decode_instances=decode_instances, backend=args.backend) as llm:
+    with LLM("tiny", decode_instances=decode_instances, backend=backend) as llm:
         llm.generate(prompts_for(2, 8, 0), SamplingParams(max_tokens=2))  # warm up both sides
         hf_tokens_per_s(hf, prompts_for(2, 8, 0), 2)
         for batch in args.batches:
@@ -86,7 +97,7 @@ def compare(hf, args, decode_instances: int) -> list[dict]:
                 theirs.append(hf_tokens_per_s(hf, prompts, args.new_tokens))
             o, t = statistics.median(ours), statistics.median(theirs)
             rows.append({"batch": batch, "nanocp_tok_s": o, "hf_tok_s": t, "ratio": o / t, "runs": [ours, theirs]})
-            label = f"{decode_instances} instances, batch {batch:3d}"
+            label = f"{decode_instances} instances ({backend}), batch {batch:3d}"
             print(f"{label}: nanocp {o:8.1f} tok/s  HF {t:8.1f} tok/s  ratio {o / t:5.2f}x")
     return rows
 
@@ -98,8 +109,13 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--decode-instances", type=int, default=4)
-    ap.add_argument("--backend", default="inline", choices=["inline", "threads", "processes"])
-    ap.add_argument("--extra-instances", type=int, nargs="*", default=[1], help="extra rows: other instance counts")
+    ap.add_argument("--backend", default="inline", choices=BACKENDS)
+    ap.add_argument(
+        "--extra",
+        nargs="*",
+        default=["1", "2:processes"],
+        help="extra rows: other configurations, N or N:backend (default: 1 instance; 2 processes, one per core)",
+    )
     ap.add_argument("--out", default=str(RESULTS / "decode_tiny"))
     args = ap.parse_args(argv)
     from transformers import DeepseekV3ForCausalLM
@@ -108,8 +124,9 @@ def main(argv: list[str] | None = None) -> dict:
         save_tiny_checkpoint(ckpt, ModelConfig.tiny())
         hf = DeepseekV3ForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
     load_before = os.getloadavg()
-    rows = compare(hf, args, args.decode_instances)
-    extra = {n: compare(hf, args, n) for n in args.extra_instances if n != args.decode_instances}
+    rows = compare(hf, args, args.decode_instances, args.backend)
+    configs = [parse_config(spec, args.backend) for spec in args.extra]
+    extra = {c: compare(hf, args, *c) for c in configs if c != (args.decode_instances, args.backend)}
     load_after = os.getloadavg()
     with LLM("tiny", decode_instances=args.decode_instances, backend=args.backend, timing=True) as llm:
         llm.generate(prompts_for(16, args.prompt_len, 7), SamplingParams(max_tokens=8, temperature=0.0))
@@ -129,7 +146,7 @@ def main(argv: list[str] | None = None) -> dict:
         },
         "settings": vars(args),
         "rows": rows,
-        "extra_rows": {f"{n} decode instances": r for n, r in extra.items()},
+        "extra_rows": {f"{n} decode instances, {b} backend": r for (n, b), r in extra.items()},
         "load_average_1_5_15min": {"before": load_before, "after": load_after},
         "phase_seconds_per_iteration_batch16": phase_breakdown(records),
         "goal": "ratio >= 3 at batch 64",
@@ -147,11 +164,11 @@ def main(argv: list[str] | None = None) -> dict:
         "|---:|---:|---:|---:|",
     ]
     lines += [f"| {r['batch']} | {r['nanocp_tok_s']:.1f} | {r['hf_tok_s']:.1f} | {r['ratio']:.2f}x |" for r in rows]
-    for n, extra_rows in extra.items():
+    for (n, backend), extra_rows in extra.items():
         lines += [
             "",
             f"Extra configuration, not the headline: {n} decode instance{'s' if n > 1 else ''} "
-            f"({args.backend} backend), interleaved with its own HF runs:",
+            f"({backend} backend), interleaved with its own HF runs:",
             "",
             "| batch | nanocp tok/s | HF tok/s | ratio |",
             "|---:|---:|---:|---:|",
