@@ -63,7 +63,9 @@ class PageTable {
   // Return a shard's frames, last first (the reference frees in reverse token order).
   void free(int instance, const FrameList& frames) {
     auto& stack = free_[instance];
-    for (int32_t k = frames.size(); k-- > 0;) stack.push_back(frames[k]);
+    const size_t top = stack.size();
+    stack.resize(top + size_t(frames.size()));
+    std::reverse_copy(frames.begin(), frames.end(), stack.begin() + ptrdiff_t(top));
   }
 
   const std::vector<int32_t>& free_stack(int instance) const { return free_[instance]; }

@@ -109,8 +109,11 @@ struct BatchRec {
   int32_t slot = -1;       // the tail shard's block-table slot (-1: not handed out yet)
   int32_t window = 1;      // decode steps of the iteration window_at (other iterations: that growth's num_steps)
   int32_t window_at = -1;  // low 32 bits of the iteration whose growth set `window`
-  int8_t lower_fast = 0;   // one shard, every frame listed, slot known: lowering needs nothing else
+  int8_t lower_fast = 0;   // kLowerSingle / kLowerMulti: every frame listed, every slot known (else 0: lowering
+                           // reads the request)
 };
+constexpr int8_t kLowerSingle = 1;  // one shard: lowering needs nothing but the record
+constexpr int8_t kLowerMulti = 2;   // several shards: the record and the request's MultiRec
 static_assert(sizeof(BatchRec) == 32, "dense batch records");
 
 // An int32 output buffer shared with numpy; reused once Python has dropped every view of it.
@@ -181,9 +184,19 @@ class SchedulerCore {
     Ref request;
     int32_t shard;
   };
-  struct MultiRef {  // a running multi-shard request, in batch (admission) order
-    int64_t admit_seq;
-    int32_t slot;
+  // A running multi-shard request's binding, dense: rebalancing reads it instead of the request, and lowering does
+  // too while every frame is listed (BatchRec::lower_fast == kLowerMulti). The tail (MoE) shard's tokens and frames
+  // are the batch record's; the other shards' are here. Refreshed with the batch record (refresh_rec).
+  static constexpr int32_t kMultiInline = 8;  // shards kept here; a wider binding reads its request past them
+  struct MultiShard {
+    int32_t instance, slot, tokens, frames;
+  };
+  struct MultiRec {
+    int64_t admit_seq;  // batch order
+    int32_t slot;       // the request's slot
+    int32_t nshards, moe, moe_shard;
+    int64_t other_tokens;  // tokens of every shard but the tail
+    MultiShard shards[kMultiInline];
   };
   struct Entry {  // a calendar entry's request: its slot and uid, and its batch position as of compaction `epoch`
     int64_t uid;
@@ -198,7 +211,6 @@ class SchedulerCore {
   struct BudgetDue {  // the request runs out of decode budget once the growth clock reaches due_at
     int64_t due_at;
     Entry who;
-    bool operator>(const BudgetDue& o) const { return due_at > o.due_at; }
   };
   struct Event {  // a running request the growth pass must visit, by batch position
     int32_t pos;
@@ -206,7 +218,32 @@ class SchedulerCore {
     bool operator<(const Event& o) const { return pos < o.pos; }
     bool operator==(const Event& o) const { return pos == o.pos; }
   };
-  struct Cursor;  // per-instance write cursor while lowering
+  // Row counts per section follow from the incremental per-instance counters: every MoE row is a request bound here,
+  // every shard row a shard held here, every update a frame not yet listed here (all used frames for a snapshot);
+  // q_recv/res_send = shards held here for a request bound elsewhere; q_send/res_recv = remote shards of the requests
+  // bound here. One array per field, indexed by instance: the batch pass touches only what a record needs (the
+  // single-shard path reads two section pointers and the row counts, and stores the row counts back).
+  struct Cursors {
+    struct Rows {
+      int32_t moe = 0, shards = 0;  // MoE and shard rows written so far
+    };
+    std::vector<int32_t*> header;    // [16]
+    std::vector<int32_t*> moe;       // [n_moe, 4]
+    std::vector<int32_t*> shards;    // [n_shards, 4]
+    std::vector<int32_t*> updates;   // [n_updates, 3]
+    std::vector<int32_t*> q_send;    // [n_q_send, 3]
+    std::vector<int32_t*> q_recv;    // [n_q_recv, 2]
+    std::vector<int32_t*> res_send;  // [n_res_send, 3]
+    std::vector<int32_t*> res_recv;  // [n_res_recv, 2]
+    std::vector<Rows> rows;
+    std::vector<int32_t> n_updates, n_remote_in, n_remote_out, max_blocks;
+
+    void reset(int n) {  // every pointer null (an instance not written), every count 0
+      for (auto* v : {&header, &moe, &shards, &updates, &q_send, &q_recv, &res_send, &res_recv}) v->assign(n, nullptr);
+      rows.assign(n, Rows{});
+      for (auto* v : {&n_updates, &n_remote_in, &n_remote_out, &max_blocks}) v->assign(n, 0);
+    }
+  };
 
   // requests
   int32_t slot_of(int64_t handle) const;
@@ -229,6 +266,12 @@ class SchedulerCore {
   size_t batch_pos(const Request& r) const { return size_t(r.pos); }  // a running request's index in the batch
   void sync(size_t pos);  // batch record pos -> its request (tail tokens, window), before the request is read
   BatchRec make_rec(const Request& r) const;
+  void refresh_rec(size_t pos);  // the record of batch entry pos (and its multi-shard entry) from its request
+  MultiRec& multi_entry(const Request& r);  // a running multi-shard request's entry in multi_
+  void refresh_multi(const Request& r, MultiRec& e) const;
+  int32_t multi_instance(const MultiRec& e, int32_t k) const {
+    return k < kMultiInline ? e.shards[k].instance : reqs_[e.slot].shard(k).instance;
+  }
   int64_t rec_tokens(const BatchRec& b) const { return b.tokens_off + growth_clock_; }
   int32_t rec_window(const BatchRec& b) const { return b.window_at == int32_t(grow_iter_) ? b.window : grow_steps_; }
   // growth calendar (policies without KV groups)
@@ -278,12 +321,17 @@ class SchedulerCore {
   // lowering
   int64_t table_updates(int instance, bool full) const;
   size_t table_size(int instance, bool full) const;
-  void start_table(int instance, int32_t* base, size_t total, bool full, Cursor& cursor) const;
+  void start_table(int instance, int32_t* base, size_t total, bool full, Cursors& cursors) const;
   template <bool kAll, bool kFull>
-  void write_tables(std::vector<Cursor>& cursors, int only);
+  void write_tables(Cursors& cursors, int only);
   template <bool kAll, bool kFull>
-  void write_request(size_t k, int32_t g, Cursor* cursors, int only);
-  void finish_tables(std::vector<Cursor>& cursors, int only);
+  void write_request(size_t k, int32_t g, Cursors& cursors, int only);
+  template <bool kAll>
+  void write_multi(const BatchRec& b, const MultiRec& e, int32_t g, Cursors& cursors, int only);
+  template <bool kAll>
+  int32_t write_shard(Cursors& cursors, int moe, int32_t moe_row, int instance, int32_t g, int32_t tokens,
+                      int32_t slot, int only);
+  void finish_tables(Cursors& cursors, int only);
   std::shared_ptr<TableBuffer> pooled_buffer(size_t size);
 
   ClusterShape shape_;
@@ -293,6 +341,7 @@ class SchedulerCore {
   int64_t max_batch_ = 0;
   int64_t max_context_ = 0;
   int64_t room_ = 0;                   // tokens an instance can take besides one new token
+  bool wide_tokens_ = false;           // one instance can hold more than INT32_MAX tokens (lowering checks shards)
   int64_t group_tokens_ = INT64_MAX;  // medha: tokens per KV group (a full tail group moves growth elsewhere)
 
   PageTable pages_;
@@ -318,7 +367,7 @@ class SchedulerCore {
   int64_t num_waiting_ = 0;
   int64_t waiting_single_token_ = 0;  // waiting requests with max_new_tokens == 1
   std::vector<Ref> due_;              // running requests whose decode budget ends before the next step
-  std::vector<MultiRef> multi_;       // nanocp: running requests with >= 2 shards, in batch order
+  std::vector<MultiRec> multi_;       // running requests with >= 2 shards, in batch order
   std::vector<ShardRef> unslotted_;   // shards created in this step, in creation order
   std::vector<int32_t> preempted_slots_;
   std::vector<int32_t> single_token_;
@@ -330,10 +379,12 @@ class SchedulerCore {
   int64_t grow_iter_ = -1;    // iteration of the last growth pass
   int32_t grow_steps_ = 1;    // its num_steps: the window of every record it did not visit
 
-  // growth calendar (empty under medha): page_due_[c % size] holds the requests whose tail page fills at clock c
+  // growth calendar (empty under medha): page_due_[c % size] holds the requests whose tail page fills at clock c,
+  // budget_due_[c % size] those whose decode budget ends at clock c (a bucket also holds later rounds: c + size, ...)
+  static constexpr size_t kBudgetBuckets = 4096;
   bool calendar_ = false;
   std::vector<std::vector<PageDue>> page_due_;
-  std::vector<BudgetDue> budget_due_;  // min-heap on due_at
+  std::vector<std::vector<BudgetDue>> budget_due_;
   std::vector<Event> events_;
   std::vector<int32_t> scan_tracked_;  // positions whose page-full clock changed in a fallback pass
   int64_t rr_cursor_ = 0;
@@ -350,9 +401,10 @@ class SchedulerCore {
   std::vector<int64_t> event_pages_;  // [instances] pages this step's events need
   std::vector<int32_t> node_order_;
   std::vector<Ref> still_waiting_;
-  std::vector<MultiRef> multi_sorted_;
+  std::vector<int32_t> multi_order_;  // multi_ indices, fewest shards first
   std::vector<int64_t> multi_count_;
   std::vector<std::shared_ptr<TableBuffer>> pool_;
+  Cursors cursors_;  // lowering's write state (reused)
 
   int64_t last_step_ns_ = 0, last_lower_ns_ = 0;
 };

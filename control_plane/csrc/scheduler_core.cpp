@@ -101,6 +101,7 @@ SchedulerCore::SchedulerCore(int64_t num_nodes, int64_t instances_per_node, int6
     throw SchedulerError("uniform-cp:" + parsed.arg_text + " needs a group size dividing instances_per_node (" +
                          std::to_string(instances_per_node) + ")");
   room_ = int64_t(frames) * page_size - 1;  // tokens an instance can take besides one new token
+  wide_tokens_ = int64_t(frames) * page_size > INT32_MAX;
   if (policy_ == kMedha && policy_arg_ > room_)
     throw SchedulerError("medha:" + parsed.arg_text + ": a KV group must fit one instance (" + std::to_string(room_) +
                          " tokens plus the new one)");
@@ -132,7 +133,10 @@ SchedulerCore::SchedulerCore(int64_t num_nodes, int64_t instances_per_node, int6
   // A tail page is full within page_size steps of its last growth: that many calendar buckets (at most 4096; a
   // bucket may then hold later clocks too) name every pending page event.
   calendar_ = group_tokens_ == INT64_MAX;
-  if (calendar_) page_due_.resize(size_t(std::min<int64_t>(page_size, 4096)));
+  if (calendar_) {
+    page_due_.resize(size_t(std::min<int64_t>(page_size, 4096)));
+    budget_due_.resize(kBudgetBuckets);
+  }
 
   const int n = shape_.num_instances;
   pages_ = PageTable(n, shape_.frames_per_instance);
@@ -255,8 +259,42 @@ BatchRec SchedulerCore::make_rec(const Request& r) const {
   b.slot = tail.slot;
   b.window = r.window;
   b.window_at = int32_t(grow_iter_);
-  b.lower_fast = r.nshards == 1 && tail.emitted == tail.frames.size() && tail.slot >= 0;
+  bool listed = true;  // every frame listed, every slot known
+  for (int32_t k = 0; k < r.nshards; ++k) {
+    const Shard& s = r.shard(k);
+    listed &= s.emitted == s.frames.size() && s.slot >= 0;
+  }
+  if (listed && r.nshards == 1)
+    b.lower_fast = kLowerSingle;
+  else if (listed && r.nshards <= kMultiInline && !wide_tokens_)
+    b.lower_fast = kLowerMulti;
   return b;
+}
+
+void SchedulerCore::refresh_rec(size_t pos) {
+  const Request& r = reqs_[running_[pos]];
+  rec_[pos] = make_rec(r);
+  if (r.nshards >= 2) refresh_multi(r, multi_entry(r));
+}
+
+SchedulerCore::MultiRec& SchedulerCore::multi_entry(const Request& r) {
+  auto at = std::lower_bound(multi_.begin(), multi_.end(), r.admit_seq,
+                             [](const MultiRec& e, int64_t seq) { return e.admit_seq < seq; });
+  if (at == multi_.end() || at->admit_seq != r.admit_seq) throw InvariantError("multi-shard request not listed");
+  return *at;
+}
+
+void SchedulerCore::refresh_multi(const Request& r, MultiRec& e) const {
+  e.nshards = r.nshards;
+  e.moe = r.moe;
+  e.moe_shard = r.moe_shard;
+  e.other_tokens = 0;
+  for (int32_t k = 0; k < r.nshards; ++k) {
+    const Shard& s = r.shard(k);
+    if (k != r.moe_shard) e.other_tokens += s.tokens;
+    // tokens of a shard fit int32 unless wide_tokens_ (then lowering reads the request)
+    if (k < kMultiInline) e.shards[k] = {s.instance, s.slot, int32_t(s.tokens), s.frames.size()};
+  }
 }
 
 // A request leaves the batch: the last entry is popped, any other becomes a hole.
@@ -350,52 +388,43 @@ void SchedulerCore::finish_completed() {
 }
 
 // reference.py _rebalance_moe: multi-shard requests, fewest shards first (stable in batch order), each to the
-// instance of its KV binding with the fewest MoE requests (ties: stay, then lowest id).
+// instance of its KV binding with the fewest MoE requests (ties: stay, then lowest id). Reads the dense entries;
+// a request is touched only when it moves.
 void SchedulerCore::rebalance_moe() {
-  size_t keep = 0;
-  int32_t widest = 0;
-  for (size_t i = 0; i < multi_.size(); ++i) {
-    if (i + 8 < multi_.size()) {  // both lines of a request a few entries ahead
-      const char* ahead = reinterpret_cast<const char*>(&reqs_[multi_[i + 8].slot]);
-      prefetch_line(ahead);
-      prefetch_line(ahead + 64);
-    }
-    const MultiRef& e = multi_[i];
-    const Request& r = reqs_[e.slot];
-    if (r.status != kRunning || r.admit_seq != e.admit_seq) continue;
-    multi_[keep++] = e;
-    widest = std::max(widest, r.nshards);
-  }
-  multi_.resize(keep);
   if (multi_.empty()) return;
+  int32_t widest = 0;
+  for (const MultiRec& e : multi_) widest = std::max(widest, e.nshards);
   // stable counting sort by shard count
   std::fill(multi_count_.begin(), multi_count_.begin() + widest + 2, 0);
-  for (const MultiRef& e : multi_) ++multi_count_[reqs_[e.slot].nshards + 1];
+  for (const MultiRec& e : multi_) ++multi_count_[e.nshards + 1];
   for (int32_t c = 1; c <= widest + 1; ++c) multi_count_[c] += multi_count_[c - 1];
-  multi_sorted_.resize(multi_.size());
-  for (const MultiRef& e : multi_) multi_sorted_[multi_count_[reqs_[e.slot].nshards]++] = e;
+  multi_order_.resize(multi_.size());
+  for (size_t i = 0; i < multi_.size(); ++i) multi_order_[multi_count_[multi_[i].nshards]++] = int32_t(i);
 
-  for (size_t i = 0; i < multi_sorted_.size(); ++i) {
-    if (i + 4 < multi_sorted_.size()) prefetch_line(reqs_[multi_sorted_[i + 4].slot].spill.data());
-    Request& r = reqs_[multi_sorted_[i].slot];
-    const int old = r.moe;
-    moe_batch_[old] -= 1;
-    int best = old, best_shard = r.moe_shard;
-    for (int32_t k = 0; k < r.nshards; ++k) {
-      const int i = r.shard(k).instance;
-      if (std::make_tuple(moe_batch_[i], i != old, i) < std::make_tuple(moe_batch_[best], best != old, best)) {
-        best = i;
-        best_shard = k;
-      }
+  // An instance's key orders (MoE requests, not the current one, id); the minimum wins (branch-free scan).
+  auto key = [&](int i, int old) {
+    return (uint64_t(moe_batch_[i] - (i == old)) << 32) | (uint64_t(i != old) << 31) | uint64_t(i);
+  };
+  for (int32_t idx : multi_order_) {
+    MultiRec& e = multi_[idx];
+    const int old = e.moe;
+    uint64_t best_key = key(old, old);
+    int32_t best_shard = e.moe_shard;
+    for (int32_t k = 0; k < e.nshards; ++k) {
+      const uint64_t kk = key(multi_instance(e, k), old);
+      best_shard = kk < best_key ? k : best_shard;
+      best_key = std::min(best_key, kk);
     }
-    moe_batch_[old] += 1;
+    const int best = int(best_key & 0x7FFFFFFF);
     if (best == old) continue;
+    Request& r = reqs_[e.slot];
     const size_t pos = batch_pos(r);
     sync(pos);  // the old tail's tokens back into its shard before the tail moves
     unbind_moe(r);
     bind_moe(r, best);
     r.moe_shard = best_shard;
     rec_[pos] = make_rec(r);
+    refresh_multi(r, e);
     track(pos);
   }
 }
@@ -465,8 +494,8 @@ void SchedulerCore::track(size_t pos) {
 
 void SchedulerCore::track_budget(size_t pos) {
   if (!calendar_) return;
-  budget_due_.push_back({rec_due_[pos], entry(pos)});
-  std::push_heap(budget_due_.begin(), budget_due_.end(), std::greater<BudgetDue>());
+  const int64_t due_at = rec_due_[pos];
+  budget_due_[size_t(due_at) % kBudgetBuckets].push_back({due_at, entry(pos)});
 }
 
 // Without a compaction since the entry was made, its position still names its batch entry (a request that left
@@ -503,12 +532,21 @@ void SchedulerCore::collect_events(int64_t done, int64_t steps_after) {
     }
     bucket.resize(keep);
   }
-  while (!budget_due_.empty() && budget_due_.front().due_at <= steps_after) {
-    const BudgetDue e = budget_due_.front();
-    std::pop_heap(budget_due_.begin(), budget_due_.end(), std::greater<BudgetDue>());
-    budget_due_.pop_back();
-    const int64_t pos = locate(e.who);
-    if (pos >= 0 && rec_due_[size_t(pos)] == e.due_at) add(pos);
+  // Budgets ending in (done, steps_after]; an entry already past due when it was made (its request is in due_ and
+  // finishes first) is stale: dropped when its bucket comes round.
+  const int64_t budget_span = std::min<int64_t>(steps_after - done, int64_t(kBudgetBuckets));
+  for (int64_t c = done + 1; c <= done + budget_span; ++c) {
+    std::vector<BudgetDue>& bucket = budget_due_[size_t(c) % kBudgetBuckets];
+    size_t keep = 0;
+    for (const BudgetDue& e : bucket) {
+      if (e.due_at > steps_after) {
+        bucket[keep++] = e;  // a later round of this bucket
+        continue;
+      }
+      const int64_t pos = locate(e.who);
+      if (pos >= 0 && rec_due_[size_t(pos)] == e.due_at) add(pos);
+    }
+    bucket.resize(keep);
   }
   std::sort(events_.begin(), events_.end());
   events_.erase(std::unique(events_.begin(), events_.end()), events_.end());
@@ -604,7 +642,7 @@ bool SchedulerCore::grow_request(size_t pos, int64_t n) {
   else if (!grow_slow(slot, n))
     return false;
   r.window = int32_t(n);
-  rec_[pos] = make_rec(r);
+  refresh_rec(pos);
   return true;
 }
 
@@ -654,10 +692,12 @@ void SchedulerCore::add_shard(Request& r, int instance) {
   unslotted_.push_back({{int32_t(&r - reqs_.data()), r.uid}, r.nshards - 1});
   num_shards_[instance] += 1;
   if (r.moe >= 0) remote_out_[r.moe] += 1;
-  if (policy_ == kNanoCP && r.status == kRunning && r.nshards == 2) {
-    const MultiRef e{r.admit_seq, int32_t(&r - reqs_.data())};
+  if (r.status == kRunning && r.nshards == 2) {  // its entry's contents follow with its record (refresh_rec)
+    MultiRec e{};
+    e.admit_seq = r.admit_seq;
+    e.slot = int32_t(&r - reqs_.data());
     auto pos = std::lower_bound(multi_.begin(), multi_.end(), e,
-                                [](const MultiRef& a, const MultiRef& b) { return a.admit_seq < b.admit_seq; });
+                                [](const MultiRec& a, const MultiRec& b) { return a.admit_seq < b.admit_seq; });
     multi_.insert(pos, e);
   }
 }
@@ -677,6 +717,7 @@ void SchedulerCore::unbind_moe(Request& r) {
 }
 
 void SchedulerCore::release(Request& r) {  // reference.py _release
+  if (r.nshards >= 2) multi_.erase(multi_.begin() + (&multi_entry(r) - multi_.data()));
   for (int32_t k = 0; k < r.nshards; ++k) {
     Shard& s = r.shard(k);
     pages_.free(s.instance, s.frames);
@@ -781,8 +822,9 @@ void SchedulerCore::commit(int32_t slot, int moe, int64_t window) {
   r.due_at = r.max_new_tokens - 1 - r.decode_base;
   r.pos = int32_t(running_.size());
   running_.push_back(slot);
-  rec_.push_back(make_rec(r));
+  rec_.push_back(BatchRec{});
   rec_due_.push_back(r.due_at);
+  refresh_rec(rec_.size() - 1);
   track(rec_.size() - 1);
   track_budget(rec_.size() - 1);
   --num_waiting_;

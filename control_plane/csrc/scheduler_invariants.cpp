@@ -25,7 +25,8 @@ void SchedulerCore::check_invariants() {
   int64_t multi_shard = 0;
   require(rec_.size() == running_.size() && rec_due_.size() == running_.size(), "batch records out of date");
   std::set<std::tuple<int32_t, int64_t, int64_t>> budget_keys;
-  for (const BudgetDue& e : budget_due_) budget_keys.insert({e.who.slot, e.who.uid, e.due_at});
+  for (const auto& bucket : budget_due_)
+    for (const BudgetDue& e : bucket) budget_keys.insert({e.who.slot, e.who.uid, e.due_at});
   for (size_t g = 0; g < running_.size(); ++g) {
     const int32_t slot = running_[g];
     const Request& r = reqs_[slot];
@@ -117,13 +118,25 @@ void SchedulerCore::check_invariants() {
   require(live_waiting == num_waiting_, "num_waiting out of date");
   require(live == int64_t(running_.size()) + num_waiting_, "waiting and running do not cover the requests");
   require(int64_t(slot_of_handle_.size()) == live, "handle map out of date");
-  if (policy_ == kNanoCP) {
-    int64_t listed = 0;
-    for (const MultiRef& e : multi_) {
-      const Request& r = reqs_[e.slot];
-      listed += r.status == kRunning && r.admit_seq == e.admit_seq;
+  // multi_: exactly the running multi-shard requests, in batch order, each entry matching its request
+  require(int64_t(multi_.size()) == multi_shard, "multi-shard list out of date");
+  for (size_t k = 0; k < multi_.size(); ++k) {
+    const MultiRec& e = multi_[k];
+    const Request& r = reqs_[e.slot];
+    require(r.status == kRunning && r.admit_seq == e.admit_seq && r.nshards >= 2, "multi-shard list out of date");
+    require(k == 0 || multi_[k - 1].admit_seq < e.admit_seq, "multi-shard list is not in batch order");
+    MultiRec want{};
+    refresh_multi(r, want);
+    bool same = e.nshards == want.nshards && e.moe == want.moe && e.moe_shard == want.moe_shard &&
+                e.other_tokens == want.other_tokens;
+    for (int32_t j = 0; j < std::min(r.nshards, kMultiInline); ++j) {
+      const MultiShard &a = e.shards[j], &b = want.shards[j];
+      same &= a.instance == b.instance;
+      // the tail's tokens and frames are the batch record's; slots are final once lowering may read the entry
+      if (j != r.moe_shard) same &= a.tokens == b.tokens && a.frames == b.frames;
+      if (rec_[size_t(r.pos)].lower_fast == kLowerMulti) same &= a.slot == b.slot;
     }
-    require(listed == multi_shard, "multi-shard list out of date");
+    require(same, "multi-shard entry out of date");
   }
 }
 

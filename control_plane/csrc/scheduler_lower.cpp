@@ -34,22 +34,6 @@ inline void store_row(int32_t* at, int32_t a, int32_t b, int32_t c, int32_t d) {
 
 }  // namespace
 
-// Row counts per section follow from the incremental per-instance counters: every MoE row is a request bound here,
-// every shard row a shard held here, every update a frame not yet listed here (all used frames for a snapshot);
-// q_recv/res_send = shards held here for a request bound elsewhere; q_send/res_recv = remote shards of the requests
-// bound here.
-struct SchedulerCore::Cursor {
-  int32_t* header = nullptr;    // [16]
-  int32_t* moe = nullptr;       // [n_moe, 4]
-  int32_t* shards = nullptr;    // [n_shards, 4]
-  int32_t* updates = nullptr;   // [n_updates, 3]
-  int32_t* q_send = nullptr;    // [n_q_send, 3]
-  int32_t* q_recv = nullptr;    // [n_q_recv, 2]
-  int32_t* res_send = nullptr;  // [n_res_send, 3]
-  int32_t* res_recv = nullptr;  // [n_res_recv, 2]
-  int32_t n_moe = 0, n_shards = 0, n_updates = 0, n_remote_in = 0, n_remote_out = 0, max_blocks = 0;
-};
-
 int64_t SchedulerCore::table_updates(int i, bool full) const {
   return full ? shape_.frames_per_instance - pages_.free_frames(i) : pending_updates_[i];
 }
@@ -75,8 +59,8 @@ std::shared_ptr<TableBuffer> SchedulerCore::pooled_buffer(size_t size) {
   return buf;
 }
 
-// Write instance i's header at `base` (max_blocks follows after the pass) and point its cursor at the sections.
-void SchedulerCore::start_table(int i, int32_t* base, size_t total, bool full, Cursor& c) const {
+// Write instance i's header at `base` (max_blocks follows after the pass) and point its cursors at the sections.
+void SchedulerCore::start_table(int i, int32_t* base, size_t total, bool full, Cursors& c) const {
   const int64_t moe = moe_batch_[i], shards = num_shards_[i], updates = table_updates(i, full);
   const int64_t remote_out = remote_out_[i], remote_in = shards - moe;
   const int32_t base_seq = full ? -1 : int32_t(lowered_seq_[i]);
@@ -85,38 +69,44 @@ void SchedulerCore::start_table(int i, int32_t* base, size_t total, bool full, C
                                        int32_t(remote_in), int32_t(remote_in), int32_t(remote_out), int32_t(total),
                                        int32_t(num_steps_), base_seq,       int32_t(full),       0};
   std::memcpy(base, header, sizeof(header));
-  c.header = base;
-  c.moe = base + kHeaderInts;
-  c.shards = c.moe + 4 * moe;
-  c.updates = c.shards + 4 * shards;
-  c.q_send = c.updates + 3 * updates;
-  c.q_recv = c.q_send + 3 * remote_out;
-  c.res_send = c.q_recv + 2 * remote_in;
-  c.res_recv = c.res_send + 3 * remote_in;
+  c.header[i] = base;
+  c.moe[i] = base + kHeaderInts;
+  c.shards[i] = c.moe[i] + 4 * moe;
+  c.updates[i] = c.shards[i] + 4 * shards;
+  c.q_send[i] = c.updates[i] + 3 * updates;
+  c.q_recv[i] = c.q_send[i] + 3 * remote_out;
+  c.res_send[i] = c.q_recv[i] + 2 * remote_in;
+  c.res_recv[i] = c.res_send[i] + 3 * remote_in;
 }
 
 // One pass over the batch (lowering.py lower_reference). kAll: write every instance; else only `only`, while still
 // counting rows everywhere (receive rows are numbered across instances). kFull: list every frame of every shard.
-// A request whose record says it has one shard with every frame listed is lowered from its record alone.
+// A request whose record says every frame is listed is lowered from its record alone (one shard) or from its record
+// and its dense MultiRec (several shards: multi_ is in batch order, so a cursor walks it alongside the batch).
 template <bool kAll, bool kFull>
-void SchedulerCore::write_tables(std::vector<Cursor>& cur, int only) {
-  Cursor* const cursors = cur.data();
+void SchedulerCore::write_tables(Cursors& c, int only) {
   const size_t n = running_.size();
   const int32_t* const run = running_.data();
   const BatchRec* const recs = rec_.data();
+  const MultiRec* multi = multi_.data();
   const int64_t clock = growth_clock_;
   const int32_t grow_iter = int32_t(grow_iter_), grow_steps = grow_steps_;
   // A single shard's tokens fit int32 unless one instance holds more than that: then every row is checked.
-  const bool check_tokens = int64_t(shape_.frames_per_instance) * shape_.page_size > INT32_MAX;
+  const bool check_tokens = wide_tokens_;
+  int32_t* const* const moe_at = c.moe.data();
+  int32_t* const* const shards_at = c.shards.data();
+  Cursors::Rows* const rows = c.rows.data();
+  int32_t* const max_blocks = c.max_blocks.data();
   int32_t g = 0;  // batch index: holes do not count
   size_t k = 0;
   while (k < n) {
-    // A run of records lowered from the record alone: no call inside keeps the loop's values in registers.
-    for (; k < n && (!kFull && recs[k].lower_fast); ++k) {
+    // A run of single-shard records: no call inside keeps the loop's values in registers.
+    for (; k < n && (!kFull && recs[k].lower_fast == kLowerSingle); ++k) {
       const BatchRec& b = recs[k];
-      Cursor& c = cursors[b.moe];
-      const int32_t moe_row = c.n_moe++, shard_idx = c.n_shards++;
-      if (!kAll && b.moe != only) {
+      const int m = b.moe;
+      const Cursors::Rows at = rows[m];
+      rows[m] = {at.moe + 1, at.shards + 1};
+      if (!kAll && m != only) {
         ++g;
         continue;
       }
@@ -125,79 +115,109 @@ void SchedulerCore::write_tables(std::vector<Cursor>& cur, int only) {
         throw std::overflow_error("context length does not fit the int32 routing table");
       const int32_t tokens = int32_t(tokens64), window = b.window_at == grow_iter ? b.window : grow_steps;
       // [g, position, shard index, window] and [g, source (-1: local), tokens, slot]
-      store_row(c.moe + 4 * size_t(moe_row), g, tokens - window, shard_idx, window);
-      store_row(c.shards + 4 * size_t(shard_idx), g++, -1, tokens, b.slot);
-      c.max_blocks = std::max(c.max_blocks, b.blocks);
+      store_row(moe_at[m] + 4 * size_t(at.moe), g, tokens - window, at.shards, window);
+      store_row(shards_at[m] + 4 * size_t(at.shards), g++, -1, tokens, b.slot);
+      if (b.blocks > max_blocks[m]) max_blocks[m] = b.blocks;  // rarely taken: a store only when the max grows
     }
     if (k == n) break;
-    if (run[k] >= 0) write_request<kAll, kFull>(k, g++, cursors, only);  // several shards, frames to list
+    if (!kFull && recs[k].lower_fast == kLowerMulti) {
+      while (multi->slot != run[k]) ++multi;  // multi-shard requests whose frames are listed below are skipped
+      write_multi<kAll>(recs[k], *multi++, g++, c, only);
+    } else if (run[k] >= 0) {
+      write_request<kAll, kFull>(k, g++, c, only);  // frames to list, or no slot yet
+    }
     ++k;  // (a hole: skipped)
   }
 }
 
-// The rows of batch entry k (batch index g) from the request itself (several shards, frames to list, no slot in the
-// record yet); the frames it lists are marked as listed and its record is refreshed.
+// The shard row of a shard on `inst` of the request at batch index g bound at m (MoE row moe_row), and its query and
+// result rows when the shard is remote. Returns the shard's row index on inst.
+template <bool kAll>
+int32_t SchedulerCore::write_shard(Cursors& c, int m, int32_t moe_row, int inst, int32_t g, int32_t tokens,
+                                   int32_t slot, int only) {
+  const bool write_t = kAll || inst == only;
+  const int32_t shard_idx = c.rows[inst].shards++;
+  int32_t source = -1;
+  if (inst != m) {
+    source = c.n_remote_in[inst]++;
+    const int32_t res_row = c.n_remote_out[m]++;
+    if (write_t) {
+      const int32_t q_recv[2] = {m, shard_idx}, res_send[3] = {shard_idx, m, res_row};
+      std::memcpy(c.q_recv[inst] + 2 * size_t(source), q_recv, sizeof(q_recv));
+      std::memcpy(c.res_send[inst] + 3 * size_t(source), res_send, sizeof(res_send));
+    }
+    if (kAll || m == only) {
+      const int32_t q_send[3] = {moe_row, inst, source}, res_recv[2] = {inst, moe_row};
+      std::memcpy(c.q_send[m] + 3 * size_t(res_row), q_send, sizeof(q_send));
+      std::memcpy(c.res_recv[m] + 2 * size_t(res_row), res_recv, sizeof(res_recv));
+    }
+  }
+  if (write_t) store_row(c.shards[inst] + 4 * size_t(shard_idx), g, source, tokens, slot);
+  return shard_idx;
+}
+
+// A multi-shard request with every frame listed: its rows from its record (the tail shard) and its MultiRec.
+template <bool kAll>
+void SchedulerCore::write_multi(const BatchRec& b, const MultiRec& e, int32_t g, Cursors& c, int only) {
+  const int64_t tail_tokens = b.tokens_off + growth_clock_, context_len = e.other_tokens + tail_tokens;
+  if (context_len > INT32_MAX) throw std::overflow_error("context length does not fit the int32 routing table");
+  const int32_t window = rec_window(b);
+  const int m = b.moe;
+  const int32_t moe_row = c.rows[m].moe++;
+  int32_t local = -1;
+  for (int32_t j = 0; j < e.nshards; ++j) {
+    const MultiShard& s = e.shards[j];
+    const bool tail = j == e.moe_shard;
+    const int32_t idx = write_shard<kAll>(c, m, moe_row, s.instance, g, tail ? int32_t(tail_tokens) : s.tokens, s.slot,
+                                          only);
+    if (s.instance == m) local = idx;
+    const int32_t frames = tail ? b.blocks : s.frames;
+    if ((kAll || s.instance == only) && frames > c.max_blocks[s.instance]) c.max_blocks[s.instance] = frames;
+  }
+  if (kAll || m == only)
+    store_row(c.moe[m] + 4 * size_t(moe_row), g, int32_t(context_len - window), local, window);
+}
+
+// The rows of batch entry k (batch index g) from the request itself (frames to list, or a shard without a slot yet);
+// the frames it lists are marked as listed and its record is refreshed.
 template <bool kAll, bool kFull>
-void SchedulerCore::write_request(size_t k, int32_t g, Cursor* cursors, int only) {
+void SchedulerCore::write_request(size_t k, int32_t g, Cursors& c, int only) {
   sync(k);
   Request& r = reqs_[running_[k]];
   const int64_t context_len = r.context_len();
   if (context_len > INT32_MAX) throw std::overflow_error("context length does not fit the int32 routing table");
   const int m = r.moe;
-  Cursor& cm = cursors[m];
-  const bool write_m = kAll || m == only;
-  const int32_t moe_row = cm.n_moe++;
-  int32_t moe_entry[4] = {g, int32_t(context_len - r.window), -1, r.window};
+  const int32_t moe_row = c.rows[m].moe++;
+  int32_t local = -1;
   for (int32_t j = 0; j < r.nshards; ++j) {
     Shard& s = r.shard(j);
     const int inst = s.instance;
-    Cursor& ct = cursors[inst];
-    const bool write_t = kAll || inst == only;
-    const int32_t shard_idx = ct.n_shards++;
-    int32_t source = -1;
-    if (inst == m) {
-      moe_entry[2] = shard_idx;
-    } else {
-      source = ct.n_remote_in++;
-      const int32_t res_row = cm.n_remote_out++;
-      if (write_t) {
-        const int32_t q_recv[2] = {m, shard_idx}, res_send[3] = {shard_idx, m, res_row};
-        std::memcpy(ct.q_recv + 2 * size_t(source), q_recv, sizeof(q_recv));
-        std::memcpy(ct.res_send + 3 * size_t(source), res_send, sizeof(res_send));
-      }
-      if (write_m) {
-        const int32_t q_send[3] = {moe_row, inst, source}, res_recv[2] = {inst, moe_row};
-        std::memcpy(cm.q_send + 3 * size_t(res_row), q_send, sizeof(q_send));
-        std::memcpy(cm.res_recv + 2 * size_t(res_row), res_recv, sizeof(res_recv));
-      }
-    }
-    if (!write_t) continue;
-    const int32_t row[4] = {g, source, int32_t(s.tokens), s.slot};
-    std::memcpy(ct.shards + 4 * size_t(shard_idx), row, sizeof(row));
+    const int32_t idx = write_shard<kAll>(c, m, moe_row, inst, g, int32_t(s.tokens), s.slot, only);
+    if (inst == m) local = idx;
+    if (!kAll && inst != only) continue;
     const int32_t n_frames = s.frames.size(), first = kFull ? 0 : s.emitted, slot = s.slot;
     const int32_t* frames = s.frames.data();  // locals: the stores below may alias the shard for the compiler
-    int32_t* update = ct.updates + 3 * size_t(ct.n_updates);
+    int32_t* update = c.updates[inst] + 3 * size_t(c.n_updates[inst]);
     for (int32_t b = first; b < n_frames; ++b, update += 3) {
       update[0] = slot;
       update[1] = b;
       update[2] = frames[b];
     }
-    ct.n_updates += n_frames - first;
+    c.n_updates[inst] += n_frames - first;
     s.emitted = n_frames;
-    if (n_frames > ct.max_blocks) ct.max_blocks = n_frames;
+    if (n_frames > c.max_blocks[inst]) c.max_blocks[inst] = n_frames;
   }
-  if (write_m) std::memcpy(cm.moe + 4 * size_t(moe_row), moe_entry, sizeof(moe_entry));
-  rec_[k] = make_rec(r);
+  if (kAll || m == only) store_row(c.moe[m] + 4 * size_t(moe_row), g, int32_t(context_len - r.window), local, r.window);
+  refresh_rec(k);
 }
 
 // After the pass: every written table gets its longest shard's block count, and its instance's store state moves
 // to this iteration (nothing left to list).
-void SchedulerCore::finish_tables(std::vector<Cursor>& cur, int only) {
+void SchedulerCore::finish_tables(Cursors& c, int only) {
   for (int i = 0; i < shape_.num_instances; ++i) {
     if (only >= 0 && i != only) continue;
-    Cursor& c = cur[i];
-    if (c.n_updates != c.header[6]) throw InvariantError("lowering listed a different number of block updates");
-    c.header[kMaxBlocksSlot] = c.max_blocks;
+    if (c.n_updates[i] != c.header[i][6]) throw InvariantError("lowering listed a different number of block updates");
+    c.header[i][kMaxBlocksSlot] = c.max_blocks[i];
     lowered_seq_[i] = iteration_;
     pending_updates_[i] = 0;
   }
@@ -211,13 +231,14 @@ std::shared_ptr<TableBuffer> SchedulerCore::lower_all(std::vector<size_t>& offse
   offsets[0] = 0;
   for (int i = 0; i < n; ++i) offsets[i + 1] = offsets[i] + table_size(i, full);
   auto buf = pooled_buffer(offsets[n]);
-  std::vector<Cursor> cur(n);
-  for (int i = 0; i < n; ++i) start_table(i, buf->data.get() + offsets[i], offsets[i + 1] - offsets[i], full, cur[i]);
+  Cursors& c = cursors_;
+  c.reset(n);
+  for (int i = 0; i < n; ++i) start_table(i, buf->data.get() + offsets[i], offsets[i + 1] - offsets[i], full, c);
   if (full)
-    write_tables<true, true>(cur, -1);
+    write_tables<true, true>(c, -1);
   else
-    write_tables<true, false>(cur, -1);
-  finish_tables(cur, -1);
+    write_tables<true, false>(c, -1);
+  finish_tables(c, -1);
   last_lower_ns_ = std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count();
   return buf;
 }
@@ -232,14 +253,15 @@ std::shared_ptr<TableBuffer> SchedulerCore::lower(int instance, size_t& size, bo
   auto buf = std::make_shared<TableBuffer>();  // not pooled: a single table is small and callers may keep it
   buf->capacity = size;
   buf->data.reset(new int32_t[size]);
-  // Every other instance gets a null cursor base: its rows are counted, never written.
-  std::vector<Cursor> cur(shape_.num_instances);
-  start_table(instance, buf->data.get(), size, full, cur[instance]);
+  // Every other instance keeps null section pointers: its rows are counted, never written.
+  Cursors& c = cursors_;
+  c.reset(shape_.num_instances);
+  start_table(instance, buf->data.get(), size, full, c);
   if (full)
-    write_tables<false, true>(cur, instance);
+    write_tables<false, true>(c, instance);
   else
-    write_tables<false, false>(cur, instance);
-  finish_tables(cur, instance);
+    write_tables<false, false>(c, instance);
+  finish_tables(c, instance);
   last_lower_ns_ = std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count();
   return buf;
 }
