@@ -265,7 +265,22 @@ class SchedulerCore {
   void remove_running(int32_t slot);
   size_t batch_pos(const Request& r) const { return size_t(r.pos); }  // a running request's index in the batch
   void sync(size_t pos);  // batch record pos -> its request (tail tokens, window), before the request is read
-  BatchRec make_rec(const Request& r) const;
+  void fill_rec(BatchRec& b, const Request& r) const {  // in place: a returned record is copied through the stack
+    const Shard& tail = r.shard(r.moe_shard);
+    b.tokens_off = tail.tokens - growth_clock_;
+    b.blocks = tail.frames.size();
+    b.moe = r.moe;
+    b.slot = tail.slot;
+    b.window = r.window;
+    b.window_at = int32_t(grow_iter_);
+    bool listed = true;  // every frame listed, every slot known
+    for (int32_t k = 0; k < r.nshards; ++k) {
+      const Shard& s = r.shard(k);
+      listed &= s.emitted == s.frames.size() && s.slot >= 0;
+    }
+    const bool dense = r.nshards <= kMultiInline && !wide_tokens_;  // its MultiRec has every shard
+    b.lower_fast = !listed ? 0 : r.nshards == 1 ? kLowerSingle : dense ? kLowerMulti : 0;
+  }
   void refresh_rec(size_t pos);  // the record of batch entry pos (and its multi-shard entry) from its request
   MultiRec& multi_entry(const Request& r);  // a running multi-shard request's entry in multi_
   void refresh_multi(const Request& r, MultiRec& e) const;

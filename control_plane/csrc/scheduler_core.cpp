@@ -250,30 +250,9 @@ void SchedulerCore::sync(size_t pos) {
   r.window = rec_window(b);
 }
 
-BatchRec SchedulerCore::make_rec(const Request& r) const {
-  const Shard& tail = r.shard(r.moe_shard);
-  BatchRec b;
-  b.tokens_off = tail.tokens - growth_clock_;
-  b.blocks = tail.frames.size();
-  b.moe = r.moe;
-  b.slot = tail.slot;
-  b.window = r.window;
-  b.window_at = int32_t(grow_iter_);
-  bool listed = true;  // every frame listed, every slot known
-  for (int32_t k = 0; k < r.nshards; ++k) {
-    const Shard& s = r.shard(k);
-    listed &= s.emitted == s.frames.size() && s.slot >= 0;
-  }
-  if (listed && r.nshards == 1)
-    b.lower_fast = kLowerSingle;
-  else if (listed && r.nshards <= kMultiInline && !wide_tokens_)
-    b.lower_fast = kLowerMulti;
-  return b;
-}
-
 void SchedulerCore::refresh_rec(size_t pos) {
   const Request& r = reqs_[running_[pos]];
-  rec_[pos] = make_rec(r);
+  fill_rec(rec_[pos], r);
   if (r.nshards >= 2) refresh_multi(r, multi_entry(r));
 }
 
@@ -423,7 +402,7 @@ void SchedulerCore::rebalance_moe() {
     unbind_moe(r);
     bind_moe(r, best);
     r.moe_shard = best_shard;
-    rec_[pos] = make_rec(r);
+    fill_rec(rec_[pos], r);
     refresh_multi(r, e);
     track(pos);
   }

@@ -59,7 +59,9 @@ void SchedulerCore::check_invariants() {
       }
     }
     require(r.due_at == r.max_new_tokens - 1 - r.decode_base, "decode budget out of date");
-    const BatchRec want = make_rec(r), &got = rec_[g];
+    BatchRec want;
+    fill_rec(want, r);
+    const BatchRec& got = rec_[g];
     require(got.tokens_off == want.tokens_off && got.blocks == want.blocks && rec_due_[g] == r.due_at &&
                 got.moe == want.moe && rec_window(got) == rec_window(want) && (!got.lower_fast || want.lower_fast) &&
                 (!got.lower_fast || got.slot == want.slot),

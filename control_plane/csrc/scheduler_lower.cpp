@@ -131,10 +131,12 @@ void SchedulerCore::write_tables(Cursors& c, int only) {
 }
 
 // The shard row of a shard on `inst` of the request at batch index g bound at m (MoE row moe_row), and its query and
-// result rows when the shard is remote. Returns the shard's row index on inst.
+// result rows when the shard is remote. Returns the shard's row index on inst. Inlined: a call per shard spills the
+// caller's registers (stores, which bound the lowering).
 template <bool kAll>
-int32_t SchedulerCore::write_shard(Cursors& c, int m, int32_t moe_row, int inst, int32_t g, int32_t tokens,
-                                   int32_t slot, int only) {
+__attribute__((always_inline)) inline int32_t SchedulerCore::write_shard(Cursors& c, int m, int32_t moe_row, int inst,
+                                                                         int32_t g, int32_t tokens, int32_t slot,
+                                                                         int only) {
   const bool write_t = kAll || inst == only;
   const int32_t shard_idx = c.rows[inst].shards++;
   int32_t source = -1;
