@@ -6,11 +6,12 @@
 //  - growth is implicit: a running request's tail tokens are its record's offset plus the growth clock (decode steps
 //    applied so far), so a step moves the clock and the per-instance KV sums in O(instances) and visits only the
 //    requests with an event: a page filling (a calendar keyed by the clock value at which the tail page is full) or
-//    the decode budget running out (a min-heap on due_at). A step whose events might not fit (an instance short of
-//    pages: growth elsewhere, preemption) or a policy with KV groups (medha) falls back to the plain pass over the batch;
-//  - lowering runs over the dense per-batch records (BatchRec) and touches a request itself only when it moves, has
-//    several shards or frames to list;
-//  - only multi-shard requests take part in MoE rebalancing, ordered by a stable counting sort;
+//    the decode budget running out (a second calendar keyed by due_at). A step whose events might not fit (an
+//    instance short of pages: growth elsewhere, preemption) or a policy with KV groups (medha) falls back to the plain
+//    pass over the batch;
+//  - lowering runs over the dense per-batch records (BatchRec) and the multi-shard requests' dense binding records
+//    (MultiRec), and touches a request itself only when it has frames to list or a shard without a slot yet;
+//  - only multi-shard requests take part in MoE rebalancing, ordered by a stable counting sort over their MultiRecs;
 //  - every shard keeps its frames contiguous and a count of those already lowered, so lowering writes only the
 //    new block-table entries, into pooled output buffers; per-instance counters size every section up front.
 #pragma once
