@@ -269,8 +269,9 @@ def write_markdown(result: dict, path: Path) -> None:
         "a few thousand per iteration where v1 copied every block of every shard each iteration (`blocks_held` in "
         "the JSON: "
         + ", ".join(f"{p['blocks_held']:,} at {p['per_instance']}/instance" for p in result["points"][:4])
-        + "). The growth pass and lowering stream dense per-batch records and touch a request's own state only "
-        "when it needs a page, moves, finishes or has frames to list. A full snapshot (a fresh or restarted "
+        + "). The growth pass and lowering stream dense per-batch records (multi-shard requests also keep a dense "
+        "record of their binding, which rebalancing and lowering read) and touch a request's own state only when it "
+        "needs a page, moves, finishes or has frames to list. A full snapshot (a fresh or restarted "
         "instance) still lists every block, 3 ints each: its column shows that cost. With k = 4 every request "
         "reserves 4 tokens per iteration, so 4x as many requests need a page in each iteration.",
         "",
