@@ -102,10 +102,10 @@ class Driver:
 
 @dataclass
 class Timings:
-    wall_us: list[float] = field(default_factory=list)  # step() + lower_all() as seen from Python
+    wall_us: list[float] = field(default_factory=list)  # step() + lower_packed() as seen from Python
     step_us: list[float] = field(default_factory=list)  # C++-side timer of step()
-    lower_us: list[float] = field(default_factory=list)  # C++-side timer of lower_all() before numpy wrapping
-    full_us: list[float] = field(default_factory=list)  # C++-side timer of a full-snapshot lower_all(True), sampled
+    lower_us: list[float] = field(default_factory=list)  # C++-side timer of the lowering before numpy wrapping
+    full_us: list[float] = field(default_factory=list)  # C++-side timer of a full-snapshot lowering, sampled
     table_ints: list[int] = field(default_factory=list)  # ints of all tables of the iteration
     update_ints: list[int] = field(default_factory=list)  # ints of their block-update sections
 
@@ -123,20 +123,23 @@ class Timings:
         return out
 
 
-def timed_iteration(core, timings: Timings, cpp: bool, num_steps: int = 1, sample_full: bool = False) -> list:
+def timed_iteration(
+    core, timings: Timings, cpp: bool, num_steps: int = 1, sample_full: bool = False
+) -> tuple[np.ndarray, np.ndarray]:
+    """One step() + lowering of every instance; returns the packed tables (array, offsets)."""
     t0 = time.perf_counter()
     core.step(num_steps)
-    tables = core.lower_all()
+    packed, offsets = core.lower_packed()
     timings.wall_us.append((time.perf_counter() - t0) * 1e6)
     if cpp:
         timings.step_us.append(core.last_step_ns / 1e3)
         timings.lower_us.append(core.last_lower_ns / 1e3)
-        timings.table_ints.append(sum(len(t) for t in tables))
-        timings.update_ints.append(3 * sum(int(t[6]) for t in tables))  # header slot 6: block updates
+        timings.table_ints.append(len(packed))
+        timings.update_ints.append(3 * int(packed[offsets[:-1] + 6].sum()))  # header slot 6: block updates
         if sample_full:  # the same iteration as full snapshots (its incremental tables are already lowered)
-            core.lower_all(True)
+            core.lower_packed(True)
             timings.full_us.append(core.last_lower_ns / 1e3)
-    return tables
+    return packed, offsets
 
 
 def assert_same_iteration(ref, cpp, ref_tables, cpp_tables) -> None:
@@ -145,7 +148,8 @@ def assert_same_iteration(ref, cpp, ref_tables, cpp_tables) -> None:
         and ref.last_finished == list(cpp.last_finished)
         and ref.last_preempted == list(cpp.last_preempted)
         and ref.last_rejected == list(cpp.last_rejected)
-        and all(a.tobytes() == b.tobytes() for a, b in zip(ref_tables, cpp_tables))
+        and ref_tables[0].tobytes() == cpp_tables[0].tobytes()
+        and ref_tables[1].tolist() == cpp_tables[1].tolist()
     )
     if not same:
         raise AssertionError(f"C++ core and Python reference disagree at iteration {ref.iteration}")
@@ -231,8 +235,9 @@ def write_markdown(result: dict, path: Path) -> None:
         f"{cfg['capacity']:,} tokens per instance, policy nanocp (default CP buckets). Workload: ShareGPT-4 lengths + "
         "long (100K-1M) prompts, steady state (finished requests replaced). Measured on this machine's CPU "
         f"({result['machine']}, {result['cpus']} cores shared with other jobs: the 1-minute load average during each "
-        "point is listed). Latencies in microseconds: wall time of `core.step(k); core.lower_all()` called from "
-        "Python; the C++ `step` / `lower` columns are the core's own timers (no Python call, no numpy wrapping). "
+        "point is listed). Latencies in microseconds: wall time of `core.step(k); core.lower_packed()` called from "
+        "Python (every instance's table, back to back in one int32 array, and their offsets); the C++ `step` / "
+        "`lower` columns are the core's own timers (no Python call, no numpy wrapping). "
         "Lowering v2: incremental block tables (only the frames added since the instance's previous table).",
         "",
         "| running / instance | long | k | running | C++ p50 | C++ p99 | C++ p50 best block | C++ step p50 | "

@@ -130,6 +130,21 @@ class RoutingTables:
         )
 
 
+def pack_tables(tables: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """Per-instance tables -> (every table back to back [total] int32, int64 offsets [n + 1]): the packed form a
+    core's `lower_packed` returns."""
+    offsets = np.zeros(len(tables) + 1, dtype=np.int64)
+    np.cumsum([len(t) for t in tables], out=offsets[1:])
+    packed = np.concatenate(tables).astype(np.int32, copy=False) if tables else np.zeros(0, dtype=np.int32)
+    return packed, offsets
+
+
+def split_tables(packed: np.ndarray, offsets: np.ndarray) -> list[np.ndarray]:
+    """The packed tables -> one view per instance (no copies)."""
+    bounds = offsets.tolist()
+    return [packed[lo:hi] for lo, hi in zip(bounds, bounds[1:])]
+
+
 @dataclass(frozen=True)
 class ShardInput:
     """One shard as the lowering sees it: where it lives, its tokens, its store slot and its frames."""

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .cp_buckets import CPBucketTable
-from .lowering import EMPTY_STORE, ShardInput, lower_reference
+from .lowering import EMPTY_STORE, ShardInput, lower_reference, pack_tables
 from .page_table import GlobalPageTable
 from .spec import ClusterSpec, SchedulerError
 from .waterfill import waterfill
@@ -517,6 +517,10 @@ class ReferenceCore:
         """Every instance's routing table of the current iteration: incremental block tables (the frames added
         since the last table lowered for the instance), or full snapshots. Either marks the frames as listed."""
         return self._lower(range(self.spec.num_instances), full)
+
+    def lower_packed(self, full: bool = False) -> tuple[np.ndarray, np.ndarray]:
+        """lower_all's tables back to back in one int32 array, with their int64 offsets [n + 1]."""
+        return pack_tables(self.lower_all(full))
 
     def lower(self, instance: int, full: bool = False) -> np.ndarray:
         """One instance's routing table (only its frames are marked as listed)."""

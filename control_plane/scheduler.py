@@ -20,7 +20,7 @@ from functools import cached_property
 import numpy as np
 
 from .cp_buckets import CPBucketTable
-from .lowering import ExecShape, RoutingTables
+from .lowering import ExecShape, RoutingTables, split_tables
 from .reference import MAX_NUM_STEPS, RUNNING, ReferenceCore, parse_policy
 from .spec import ClusterSpec, SchedulerError
 
@@ -119,7 +119,7 @@ class IterationPlan:
     def tables(self) -> list[np.ndarray]:
         """Per instance, the lowered int32 routing table (layout in lowering.py) with incremental block tables:
         each lists the frames added since the previous table lowered for its instance."""
-        return list(self._live_core().lower_all())
+        return split_tables(*self._live_core().lower_packed())
 
     def full_tables(self) -> list[np.ndarray]:
         """Per instance, the same routing table as `tables` with a full block-table snapshot (for a fresh or
@@ -127,7 +127,7 @@ class IterationPlan:
         tables keep building on the previous iteration's."""
         if self._full_tables is None:
             self.tables  # noqa: B018 - lowered first (cached): it advances the incremental state
-            self._full_tables = list(self._live_core().lower_all(True))
+            self._full_tables = split_tables(*self._live_core().lower_packed(True))
         return self._full_tables
 
     def routing(self, instance: int) -> RoutingTables:

@@ -19,6 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from nanocp.control_plane import ClusterSpec, CPBucketTable, GlobalScheduler, SchedulerError
+from nanocp.control_plane.lowering import RoutingTables, split_tables
 from nanocp.control_plane.reference import ReferenceCore
 from nanocp.control_plane.scheduler import make_core
 
@@ -271,8 +272,16 @@ def test_tables_held_by_python_survive_later_steps():
         ref.step(steps)
         cpp.step(steps)
         full = handle % 7 == 0
-        tables = cpp.lower_all(full)
-        assert [t.tobytes() for t in tables] == [t.tobytes() for t in ref.lower_all(full)]
+        if handle % 2:  # packed: one array and the offsets of the tables in it
+            packed, offsets = cpp.lower_packed(full)
+            ref_packed, ref_offsets = ref.lower_packed(full)
+            assert packed.dtype == np.int32 and offsets.dtype == np.int64 and len(offsets) == spec.num_instances + 1
+            assert packed.tobytes() == ref_packed.tobytes() and offsets.tolist() == ref_offsets.tolist()
+            tables = split_tables(packed, offsets)
+            assert all(RoutingTables.parse(t).instance == i for i, t in enumerate(tables))
+        else:
+            tables = cpp.lower_all(full)
+            assert [t.tobytes() for t in tables] == [t.tobytes() for t in ref.lower_all(full)]
         if handle % 3 == 0:
             held.append((tables, [t.tobytes() for t in tables]))
         if len(held) > 5:

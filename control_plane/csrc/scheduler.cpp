@@ -76,6 +76,20 @@ nb::object lower_all(SchedulerCore& core, bool full) {
   return out;
 }
 
+// Every instance's table back to back in one array (one view, one owner) and the int64 offsets [n + 1] of the
+// tables in it: what a driver that ships each table's bytes needs, without a Python object per instance.
+nb::tuple lower_packed(SchedulerCore& core, bool full) {
+  std::vector<size_t> offsets;
+  std::shared_ptr<TableBuffer> buf = core.lower_all(offsets, full);
+  nb::object tables = numpy_view(buf->data.get(), offsets.back(), NPY_INT32, buffer_owner(buf));
+  npy_intp dims[1] = {npy_intp(offsets.size())};
+  PyObject* bounds = PyArray_SimpleNew(1, dims, NPY_INT64);
+  if (!bounds) throw nb::python_error();
+  auto* at = static_cast<int64_t*>(PyArray_DATA(reinterpret_cast<PyArrayObject*>(bounds)));
+  for (size_t i = 0; i < offsets.size(); ++i) at[i] = int64_t(offsets[i]);
+  return nb::make_tuple(tables, nb::steal(bounds));
+}
+
 nb::object lower_one(SchedulerCore& core, int instance, bool full) {
   size_t size = 0;
   std::shared_ptr<TableBuffer> buf = core.lower(instance, size, full);
@@ -173,6 +187,8 @@ void bind_scheduler(nb::module_& m) {
       .def("lower_all", &lower_all, nb::arg("full") = false,
            "Per instance, the int32 routing table of the current iteration (incremental block tables, or full "
            "snapshots); the frames listed are marked as listed.")
+      .def("lower_packed", &lower_packed, nb::arg("full") = false,
+           "The tables of lower_all() back to back in one int32 array, with their int64 offsets [n + 1].")
       .def("lower", &lower_one, nb::arg("instance"), nb::arg("full") = false,
            "One instance's int32 routing table (only its frames are marked as listed).")
       .def("check_invariants", &SchedulerCore::check_invariants)
