@@ -101,21 +101,45 @@ struct alignas(64) Request {
 };
 static_assert(sizeof(Shard) + 4 * sizeof(int32_t) + sizeof(int64_t) == 64, "the binding must fill one line");
 
+constexpr int32_t kLowerSingle = 1;  // one shard: lowering needs nothing but the record
+constexpr int32_t kLowerMulti = 2;   // several shards: the record and the request's MultiRec
+constexpr int32_t kLowerHole = 3;    // a hole in the batch (skipped; not counted in the batch index)
+
 // A running request's growth and lowering state, in batch order (parallel to the batch). While the request runs,
 // its tail shard's token count and its window live here; SchedulerCore::sync copies them into the Request.
+// The first 32 bytes are the single-shard request's two routing-table rows less what only the lowering pass knows:
+// the shard row is shard_row + {g - 1, 0, clock, 0} and the MoE row moe_row + {g, clock, shard index, 0} (int32
+// lanes wrap: the low 32 bits of the offset plus those of the clock are the low 32 bits of the tokens), so the pass
+// builds each row with one vector add. The other fields go through accessors that keep the templates current.
 struct BatchRec {
-  int64_t tokens_off = 0;  // tokens of the tail shard (on the MoE instance) minus the growth clock
+  int32_t shard_row[4] = {0, -1, 0, -1};  // {lower_fast, -1, low 32 bits of tokens_off, slot}
+  int32_t moe_row[4] = {0, 0, 0, 1};      // {0, low 32 bits of tokens_off - window, 0, window}
+  int32_t off_hi = 0;      // high 32 bits of tokens_off
   int32_t blocks = 0;      // frames of the tail shard
   int32_t moe = -1;        // copy of Request::moe
-  int32_t slot = -1;       // the tail shard's block-table slot (-1: not handed out yet)
-  int32_t window = 1;      // decode steps of the iteration window_at (other iterations: that growth's num_steps)
-  int32_t window_at = -1;  // low 32 bits of the iteration whose growth set `window`
-  int8_t lower_fast = 0;   // kLowerSingle / kLowerMulti: every frame listed, every slot known (else 0: lowering
-                           // reads the request)
+  int32_t window_at = -1;  // low 32 bits of the iteration whose growth set the window (other iterations: that
+                           // growth's num_steps)
+
+  // tokens of the tail shard (on the MoE instance) minus the growth clock
+  int64_t tokens_off() const { return int64_t(uint64_t(int64_t(off_hi)) << 32 | uint32_t(shard_row[2])); }
+  int32_t window() const { return moe_row[3]; }  // decode steps of the iteration window_at
+  int32_t slot() const { return shard_row[3]; }  // the tail shard's block-table slot (-1: not handed out yet)
+  // kLowerSingle / kLowerMulti: every frame listed, every slot known (0: lowering reads the request; kLowerHole)
+  int32_t lower_fast() const { return shard_row[0]; }
+
+  void set_tokens_off(int64_t off) {
+    shard_row[2] = int32_t(uint32_t(uint64_t(off)));
+    off_hi = int32_t(off >> 32);
+    moe_row[1] = int32_t(uint32_t(shard_row[2]) - uint32_t(moe_row[3]));
+  }
+  void set_window(int32_t window) {
+    moe_row[3] = window;
+    moe_row[1] = int32_t(uint32_t(shard_row[2]) - uint32_t(window));
+  }
+  void set_slot(int32_t slot) { shard_row[3] = slot; }
+  void set_lower_fast(int32_t mode) { shard_row[0] = mode; }
 };
-constexpr int8_t kLowerSingle = 1;  // one shard: lowering needs nothing but the record
-constexpr int8_t kLowerMulti = 2;   // several shards: the record and the request's MultiRec
-static_assert(sizeof(BatchRec) == 32, "dense batch records");
+static_assert(sizeof(BatchRec) == 48, "dense batch records");
 
 // An int32 output buffer shared with numpy; reused once Python has dropped every view of it.
 struct TableBuffer {
@@ -226,8 +250,9 @@ class SchedulerCore {
   // single-shard path reads two section pointers and the row counts, and stores the row counts back).
   struct Cursors {
     struct Rows {
-      int32_t moe = 0, shards = 0;  // MoE and shard rows written so far
+      int32_t moe = 0, shards = 0;  // MoE and shard rows written so far (read as one uint64 by write_singles)
     };
+    static_assert(sizeof(Rows) == sizeof(uint64_t), "the lowering pass moves both counts with one add");
     std::vector<int32_t*> header;    // [16]
     std::vector<int32_t*> moe;       // [n_moe, 4]
     std::vector<int32_t*> shards;    // [n_shards, 4]
@@ -268,11 +293,11 @@ class SchedulerCore {
   void sync(size_t pos);  // batch record pos -> its request (tail tokens, window), before the request is read
   void fill_rec(BatchRec& b, const Request& r) const {  // in place: a returned record is copied through the stack
     const Shard& tail = r.shard(r.moe_shard);
-    b.tokens_off = tail.tokens - growth_clock_;
+    b.set_window(r.window);
+    b.set_tokens_off(tail.tokens - growth_clock_);
     b.blocks = tail.frames.size();
     b.moe = r.moe;
-    b.slot = tail.slot;
-    b.window = r.window;
+    b.set_slot(tail.slot);
     b.window_at = int32_t(grow_iter_);
     bool listed = true;  // every frame listed, every slot known
     for (int32_t k = 0; k < r.nshards; ++k) {
@@ -280,7 +305,7 @@ class SchedulerCore {
       listed &= s.emitted == s.frames.size() && s.slot >= 0;
     }
     const bool dense = r.nshards <= kMultiInline && !wide_tokens_;  // its MultiRec has every shard
-    b.lower_fast = !listed ? 0 : r.nshards == 1 ? kLowerSingle : dense ? kLowerMulti : 0;
+    b.set_lower_fast(!listed ? 0 : r.nshards == 1 ? kLowerSingle : dense ? kLowerMulti : 0);
   }
   void refresh_rec(size_t pos);  // the record of batch entry pos (and its multi-shard entry) from its request
   MultiRec& multi_entry(const Request& r);  // a running multi-shard request's entry in multi_
@@ -288,10 +313,10 @@ class SchedulerCore {
   int32_t multi_instance(const MultiRec& e, int32_t k) const {
     return k < kMultiInline ? e.shards[k].instance : reqs_[e.slot].shard(k).instance;
   }
-  int64_t rec_tokens(const BatchRec& b) const { return b.tokens_off + growth_clock_; }
-  int32_t rec_window(const BatchRec& b) const { return b.window_at == int32_t(grow_iter_) ? b.window : grow_steps_; }
+  int64_t rec_tokens(const BatchRec& b) const { return b.tokens_off() + growth_clock_; }
+  int32_t rec_window(const BatchRec& b) const { return b.window_at == int32_t(grow_iter_) ? b.window() : grow_steps_; }
   // growth calendar (policies without KV groups)
-  int64_t full_at(const BatchRec& b) const { return int64_t(b.blocks) * shape_.page_size - b.tokens_off; }
+  int64_t full_at(const BatchRec& b) const { return int64_t(b.blocks) * shape_.page_size - b.tokens_off(); }
   void track(size_t pos);  // enter the record's page-full clock (and, with `budget`, its due_at) in the calendars
   void track_budget(size_t pos);
   Entry entry(size_t pos) const { return {reqs_[running_[pos]].uid, compactions_, running_[pos], int32_t(pos)}; }
@@ -340,6 +365,8 @@ class SchedulerCore {
   void start_table(int instance, int32_t* base, size_t total, bool full, Cursors& cursors) const;
   template <bool kAll, bool kFull>
   void write_tables(Cursors& cursors, int only);
+  template <bool kAll>
+  size_t write_singles(size_t k, int32_t& g, Cursors& cursors, int only);
   template <bool kAll, bool kFull>
   void write_request(size_t k, int32_t g, Cursors& cursors, int only);
   template <bool kAll>

@@ -291,7 +291,7 @@ void SchedulerCore::remove_running(int32_t slot) {
     }
   } else {
     running_[pos] = -1;
-    rec_[pos].lower_fast = 0;  // lowering reads holes off the slow path only
+    rec_[pos].set_lower_fast(kLowerHole);  // lowering skips it
     ++running_dead_;
   }
 }
@@ -539,7 +539,7 @@ bool SchedulerCore::events_fit(int64_t done, int64_t steps) {
     const BatchRec& b = rec_[size_t(e.pos)];
     const int64_t left = rec_due_[size_t(e.pos)] - done;
     const int64_t w = left < steps ? std::max<int64_t>(left, 1) : steps;
-    const int64_t after = b.tokens_off + growth_clock_ + w;
+    const int64_t after = b.tokens_off() + growth_clock_ + w;
     if (after > int64_t(b.blocks) * page) event_pages_[size_t(b.moe)] += ceil_div(after, page) - b.blocks;
   }
   for (int i = 0; i < shape_.num_instances; ++i)
@@ -557,7 +557,7 @@ void SchedulerCore::grow_events(int64_t done, int64_t steps) {
     const size_t pos = size_t(events_[e].pos);
     BatchRec& b = rec_[pos];
     const int64_t before = full_at(b);
-    b.tokens_off -= steps;
+    b.set_tokens_off(b.tokens_off() - steps);
     kv_tokens_[size_t(b.moe)] -= steps;
     grow_one(pos, done, steps);  // fits (events_fit): no preemption, the batch keeps its shape
     if (full_at(b) != before) track(pos);
@@ -573,7 +573,7 @@ void SchedulerCore::grow_scan(int64_t done, int64_t steps) {
   for (size_t k = 0; k < n; ++k) {
     if (k + kFar < n) {  // the line of a request likely to need a page or to finish
       const BatchRec& ahead = rec_[k + kFar];
-      if (ahead.tokens_off + done + steps > ahead.blocks * page || done + steps >= rec_due_[k + kFar])
+      if (ahead.tokens_off() + done + steps > ahead.blocks * page || done + steps >= rec_due_[k + kFar])
         prefetch_request(k);
     }
     if (running_[k] < 0) continue;  // a hole left by a finished request
@@ -584,7 +584,7 @@ void SchedulerCore::grow_scan(int64_t done, int64_t steps) {
     if (kept && full_at(rec_[k]) + steps != before) scan_tracked_.push_back(int32_t(k));
   }
   growth_clock_ = done + steps;
-  for (BatchRec& b : rec_) b.tokens_off -= steps;
+  for (BatchRec& b : rec_) b.set_tokens_off(b.tokens_off() - steps);
   for (int32_t pos : scan_tracked_)
     if (size_t(pos) < running_.size() && running_[size_t(pos)] >= 0) track(size_t(pos));
 }
@@ -597,8 +597,8 @@ bool SchedulerCore::grow_one(size_t k, int64_t done, int64_t steps) {
   const int64_t w = left < steps ? std::max<int64_t>(left, 1) : steps;
   const int64_t after = rec_tokens(b) + w;
   if (after <= int64_t(b.blocks) * shape_.page_size && after <= group_tokens_) {
-    b.tokens_off = after - growth_clock_;
-    b.window = int32_t(w);
+    b.set_window(int32_t(w));
+    b.set_tokens_off(after - growth_clock_);
     b.window_at = int32_t(grow_iter_);
     kv_tokens_[size_t(b.moe)] += w;
   } else if (!grow_request(k, w)) {

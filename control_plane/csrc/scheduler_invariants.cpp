@@ -62,9 +62,11 @@ void SchedulerCore::check_invariants() {
     BatchRec want;
     fill_rec(want, r);
     const BatchRec& got = rec_[g];
-    require(got.tokens_off == want.tokens_off && got.blocks == want.blocks && rec_due_[g] == r.due_at &&
-                got.moe == want.moe && rec_window(got) == rec_window(want) && (!got.lower_fast || want.lower_fast) &&
-                (!got.lower_fast || got.slot == want.slot),
+    require(got.tokens_off() == want.tokens_off() && got.blocks == want.blocks && rec_due_[g] == r.due_at &&
+                got.moe == want.moe && rec_window(got) == rec_window(want) &&
+                (!got.lower_fast() || want.lower_fast()) && (!got.lower_fast() || got.slot() == want.slot()) &&
+                got.shard_row[1] == -1 && got.moe_row[0] == 0 && got.moe_row[2] == 0 &&
+                got.moe_row[1] == int32_t(uint32_t(got.shard_row[2]) - uint32_t(got.window())),
             "batch record out of date");
     require(r.window >= 1 && r.window <= num_steps_, "window outside [1, num_steps]");
     // due_ must name every request that is out of decode budget at the next step
@@ -136,7 +138,7 @@ void SchedulerCore::check_invariants() {
       same &= a.instance == b.instance;
       // the tail's tokens and frames are the batch record's; slots are final once lowering may read the entry
       if (j != r.moe_shard) same &= a.tokens == b.tokens && a.frames == b.frames;
-      if (rec_[size_t(r.pos)].lower_fast == kLowerMulti) same &= a.slot == b.slot;
+      if (rec_[size_t(r.pos)].lower_fast() == kLowerMulti) same &= a.slot == b.slot;
     }
     require(same, "multi-shard entry out of date");
   }

@@ -20,17 +20,32 @@ constexpr size_t kHeaderInts = 16;
 constexpr size_t kMaxBlocksSlot = 15;
 constexpr size_t kPoolSize = 4;  // output buffers kept for reuse
 
-// One 4-int row: a single 16-byte store where SSE2 exists (the lowering is bound by stores, one per cycle).
-inline void store_row(int32_t* at, int32_t a, int32_t b, int32_t c, int32_t d) {
+// Four int32 lanes (wrapping adds): one 16-byte register and store where SSE2 exists (the lowering is bound by
+// stores and instructions).
 #if defined(__SSE2__)
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(at), _mm_setr_epi32(a, b, c, d));
+using Lanes = __m128i;
+inline Lanes lanes(int32_t a, int32_t b, int32_t c, int32_t d) { return _mm_setr_epi32(a, b, c, d); }
+inline Lanes load_lanes(const int32_t* at) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(at)); }
+inline Lanes add_lanes(Lanes x, Lanes y) { return _mm_add_epi32(x, y); }
+inline void store_lanes(int32_t* at, Lanes x) { _mm_storeu_si128(reinterpret_cast<__m128i*>(at), x); }
+inline int32_t lane0(Lanes x) { return _mm_cvtsi128_si32(x); }
 #else
-  at[0] = a;
-  at[1] = b;
-  at[2] = c;
-  at[3] = d;
-#endif
+struct Lanes {
+  uint32_t v[4];
+};
+inline Lanes lanes(int32_t a, int32_t b, int32_t c, int32_t d) { return {{uint32_t(a), uint32_t(b), uint32_t(c), uint32_t(d)}}; }
+inline Lanes load_lanes(const int32_t* at) {
+  Lanes x;
+  std::memcpy(x.v, at, sizeof(x.v));
+  return x;
 }
+inline Lanes add_lanes(Lanes x, Lanes y) { return {{x.v[0] + y.v[0], x.v[1] + y.v[1], x.v[2] + y.v[2], x.v[3] + y.v[3]}}; }
+inline void store_lanes(int32_t* at, Lanes x) { std::memcpy(at, x.v, sizeof(x.v)); }
+inline int32_t lane0(Lanes x) { return int32_t(x.v[0]); }
+#endif
+
+// One 4-int row.
+inline void store_row(int32_t* at, int32_t a, int32_t b, int32_t c, int32_t d) { store_lanes(at, lanes(a, b, c, d)); }
 
 }  // namespace
 
@@ -79,6 +94,57 @@ void SchedulerCore::start_table(int i, int32_t* base, size_t total, bool full, C
   c.res_recv[i] = c.res_send[i] + 3 * remote_in;
 }
 
+// The run of single-shard records (every frame listed, every slot known) and holes from batch entry k on, lowered
+// from the records alone: each row is its record's template plus a vector of the pass's values (batch index g, the
+// clock, the shard row index). Returns the first entry past the run; g moves past it. Inlined, and no call inside:
+// the loop's values stay in registers.
+template <bool kAll>
+__attribute__((always_inline)) inline size_t SchedulerCore::write_singles(size_t k, int32_t& g, Cursors& c, int only) {
+  const size_t n = running_.size();
+  const BatchRec* const recs = rec_.data();
+  const int32_t clock = int32_t(uint32_t(uint64_t(growth_clock_)));  // low 32 bits (the lanes wrap)
+  const int32_t grow_iter = int32_t(grow_iter_), grow_steps = grow_steps_;
+  int32_t* const* const moe_at = c.moe.data();
+  int32_t* const* const shards_at = c.shards.data();
+  uint64_t* const rows = reinterpret_cast<uint64_t*>(c.rows.data());  // per instance: MoE rows | shard rows << 32
+  int32_t* const max_blocks = c.max_blocks.data();
+  const Lanes one_g = lanes(1, 0, 0, 0);
+  // lane 0 of shard_row holds kLowerSingle (1): the shard row adds g - 1 there
+  Lanes shard_add = lanes(g - kLowerSingle, 0, clock, 0), moe_add = lanes(g, clock, 0, 0);
+  for (; k < n; ++k) {
+    const BatchRec& b = recs[k];
+    if (b.lower_fast() != kLowerSingle) {
+      if (b.lower_fast() == kLowerHole) continue;
+      break;
+    }
+    const int m = b.moe;
+    const uint64_t at = rows[m];
+    rows[m] = at + (uint64_t(1) << 32 | 1);
+    if (!kAll && m != only) {
+      shard_add = add_lanes(shard_add, one_g);
+      moe_add = add_lanes(moe_add, one_g);
+      continue;
+    }
+    if (wide_tokens_ && b.tokens_off() + growth_clock_ > INT32_MAX)
+      throw std::overflow_error("context length does not fit the int32 routing table");
+    const uint32_t moe_rows = uint32_t(at), shard_rows = uint32_t(at >> 32);
+    const Lanes shard_row = add_lanes(load_lanes(b.shard_row), shard_add);
+    Lanes moe_row = add_lanes(add_lanes(load_lanes(b.moe_row), moe_add), lanes(0, 0, int32_t(shard_rows), 0));
+    if (b.moe_row[3] != grow_steps && b.window_at != grow_iter) {  // a stale window: this iteration's is num_steps
+      const int32_t w = b.moe_row[3];
+      moe_row = add_lanes(moe_row, lanes(0, w - grow_steps, 0, grow_steps - w));
+    }
+    // [g, position, shard index, window] and [g, source (-1: local), tokens, slot]
+    store_lanes(moe_at[m] + 4 * size_t(moe_rows), moe_row);
+    store_lanes(shards_at[m] + 4 * size_t(shard_rows), shard_row);
+    shard_add = add_lanes(shard_add, one_g);
+    moe_add = add_lanes(moe_add, one_g);
+    if (b.blocks > max_blocks[m]) max_blocks[m] = b.blocks;  // rarely taken: a store only when the max grows
+  }
+  g = lane0(moe_add);
+  return k;
+}
+
 // One pass over the batch (lowering.py lower_reference). kAll: write every instance; else only `only`, while still
 // counting rows everywhere (receive rows are numbered across instances). kFull: list every frame of every shard.
 // A request whose record says every frame is listed is lowered from its record alone (one shard) or from its record
@@ -89,44 +155,18 @@ void SchedulerCore::write_tables(Cursors& c, int only) {
   const int32_t* const run = running_.data();
   const BatchRec* const recs = rec_.data();
   const MultiRec* multi = multi_.data();
-  const int64_t clock = growth_clock_;
-  const int32_t grow_iter = int32_t(grow_iter_), grow_steps = grow_steps_;
-  // A single shard's tokens fit int32 unless one instance holds more than that: then every row is checked.
-  const bool check_tokens = wide_tokens_;
-  int32_t* const* const moe_at = c.moe.data();
-  int32_t* const* const shards_at = c.shards.data();
-  Cursors::Rows* const rows = c.rows.data();
-  int32_t* const max_blocks = c.max_blocks.data();
   int32_t g = 0;  // batch index: holes do not count
   size_t k = 0;
   while (k < n) {
-    // A run of single-shard records: no call inside keeps the loop's values in registers.
-    for (; k < n && (!kFull && recs[k].lower_fast == kLowerSingle); ++k) {
-      const BatchRec& b = recs[k];
-      const int m = b.moe;
-      const Cursors::Rows at = rows[m];
-      rows[m] = {at.moe + 1, at.shards + 1};
-      if (!kAll && m != only) {
-        ++g;
-        continue;
-      }
-      const int64_t tokens64 = b.tokens_off + clock;
-      if (check_tokens && tokens64 > INT32_MAX)
-        throw std::overflow_error("context length does not fit the int32 routing table");
-      const int32_t tokens = int32_t(tokens64), window = b.window_at == grow_iter ? b.window : grow_steps;
-      // [g, position, shard index, window] and [g, source (-1: local), tokens, slot]
-      store_row(moe_at[m] + 4 * size_t(at.moe), g, tokens - window, at.shards, window);
-      store_row(shards_at[m] + 4 * size_t(at.shards), g++, -1, tokens, b.slot);
-      if (b.blocks > max_blocks[m]) max_blocks[m] = b.blocks;  // rarely taken: a store only when the max grows
-    }
+    if (!kFull) k = write_singles<kAll>(k, g, c, only);  // (a run of single-shard records)
     if (k == n) break;
-    if (!kFull && recs[k].lower_fast == kLowerMulti) {
+    if (!kFull && recs[k].lower_fast() == kLowerMulti) {
       while (multi->slot != run[k]) ++multi;  // multi-shard requests whose frames are listed below are skipped
       write_multi<kAll>(recs[k], *multi++, g++, c, only);
     } else if (run[k] >= 0) {
       write_request<kAll, kFull>(k, g++, c, only);  // frames to list, or no slot yet
     }
-    ++k;  // (a hole: skipped)
+    ++k;  // (a hole, in a full pass: skipped)
   }
 }
 
@@ -161,7 +201,7 @@ __attribute__((always_inline)) inline int32_t SchedulerCore::write_shard(Cursors
 // A multi-shard request with every frame listed: its rows from its record (the tail shard) and its MultiRec.
 template <bool kAll>
 void SchedulerCore::write_multi(const BatchRec& b, const MultiRec& e, int32_t g, Cursors& c, int only) {
-  const int64_t tail_tokens = b.tokens_off + growth_clock_, context_len = e.other_tokens + tail_tokens;
+  const int64_t tail_tokens = b.tokens_off() + growth_clock_, context_len = e.other_tokens + tail_tokens;
   if (context_len > INT32_MAX) throw std::overflow_error("context length does not fit the int32 routing table");
   const int32_t window = rec_window(b);
   const int m = b.moe;
