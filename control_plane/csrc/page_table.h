@@ -4,6 +4,7 @@
 // the reference exactly: the lowest frame comes first on a fresh instance, frees go back in reverse (LIFO reuse).
 #pragma once
 #include <algorithm>
+#include <climits>
 #include <cstdint>
 #include <cstring>
 #include <memory>
@@ -23,14 +24,18 @@ class FrameList {
   int32_t operator[](int32_t k) const { return data_[k]; }
   void clear() { size_ = 0; }
 
-  // Room for n more frames; returns where they go (the caller writes all n).
+  // Room for n more frames; returns where they go (the caller writes all n). The capacity grows to a power of two
+  // (at least kMinCapacity) and is kept when the list is cleared: a request slot's list, reused by later requests,
+  // soon holds any prompt without reallocating.
   int32_t* extend(int32_t n) {
     if (size_ + n > cap_) {
-      const int32_t cap = std::max(size_ + n, cap_ + cap_ / 2 + 4);
+      int64_t cap = kMinCapacity;
+      while (cap < int64_t(size_) + n) cap *= 2;
+      cap = std::min<int64_t>(cap, INT32_MAX);
       std::unique_ptr<int32_t[]> grown(new int32_t[size_t(cap)]);
       if (size_) std::memcpy(grown.get(), data_.get(), sizeof(int32_t) * size_t(size_));
       data_ = std::move(grown);
-      cap_ = cap;
+      cap_ = int32_t(cap);
     }
     int32_t* out = data_.get() + size_;
     size_ += n;
@@ -38,6 +43,7 @@ class FrameList {
   }
 
  private:
+  static constexpr int64_t kMinCapacity = 32;
   std::unique_ptr<int32_t[]> data_;
   int32_t size_ = 0, cap_ = 0;
 };
