@@ -351,6 +351,10 @@ void SchedulerCore::step(int64_t num_steps) {
 // need no decode iteration (queue order).
 void SchedulerCore::finish_completed() {
   for (const Ref& e : due_) prefetch_lines(e.slot);  // the misses overlap
+  for (const Ref& e : due_) {  // release reads the frames back to front
+    const FrameList& frames = reqs_[e.slot].first.frames;
+    if (!frames.empty()) prefetch_line(frames.data() + frames.size() - 1);
+  }
   for (size_t i = 0; i < due_.size(); ++i) {
     const Ref& e = due_[i];
     const Request& r = reqs_[e.slot];

@@ -100,6 +100,15 @@ bool SchedulerCore::place_nanocp(int64_t context, int64_t window, int& moe) {
     int m = first;
     for (int i = first + 1; i < first + ipn; ++i)
       if (std::make_pair(moe_batch_[i], kv_tokens_[i]) < std::make_pair(moe_batch_[m], kv_tokens_[m])) m = i;
+    if (cp == 1) {  // the MoE instance alone: WaterFill over one participant gives it the whole context
+      split_.clear();
+      split_.emplace_back(m, context + window);
+      if (can_allocate(m)) {
+        moe = m;
+        return true;
+      }
+      continue;
+    }
     members_.clear();
     for (int i = first; i < first + ipn; ++i)
       if (i != m) members_.push_back(i);
