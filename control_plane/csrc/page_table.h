@@ -23,6 +23,15 @@ class FrameList {
   const int32_t* end() const { return data_.get() + size_; }
   int32_t operator[](int32_t k) const { return data_[k]; }
   void clear() { size_ = 0; }
+  // Empty; storage past `keep` frames goes back to the heap (a reused request slot would otherwise keep the largest
+  // list it ever held, and the heap would grow onto fresh pages for as long as the ratchet goes on).
+  void clear_and_trim(int32_t keep) {
+    size_ = 0;
+    if (cap_ > keep) {
+      data_.reset();
+      cap_ = 0;
+    }
+  }
 
   // Room for n more frames; returns where they go (the caller writes all n). The capacity grows to a power of two
   // (at least kMinCapacity) and is kept when the list is cleared: a request slot's list, reused by later requests,

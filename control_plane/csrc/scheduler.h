@@ -280,6 +280,8 @@ class SchedulerCore {
   // kFar records ahead when the record says the slow path is likely. (Lowering does not: the requests it reads are
   // those the step just visited, whose lines are still cached, and fetching them ahead measured slower.)
   static constexpr size_t kFar = 48;
+  // A released shard keeps its frame storage up to this many frames for the next request in its slot.
+  static constexpr int32_t kKeptFrames = 256;
   void prefetch_request(size_t k) const {
     if (k + kFar < running_.size() && running_[k + kFar] >= 0) prefetch_line(&reqs_[running_[k + kFar]]);
   }

@@ -710,7 +710,7 @@ void SchedulerCore::release(Request& r) {  // reference.py _release
     num_shards_[s.instance] -= 1;
   }
   unbind_moe(r);
-  for (int32_t k = 0; k < r.nshards; ++k) r.shard(k).frames.clear();
+  for (int32_t k = 0; k < r.nshards; ++k) r.shard(k).frames.clear_and_trim(kKeptFrames);
   r.nshards = 0;
   r.moe_shard = -1;
 }
