@@ -10,7 +10,9 @@
 //    instance short of pages: growth elsewhere, preemption) or a policy with KV groups (medha) falls back to the plain
 //    pass over the batch;
 //  - lowering runs over the dense per-batch records (BatchRec) and the multi-shard requests' dense binding records
-//    (MultiRec), and touches a request itself only when it has frames to list or a shard without a slot yet;
+//    (MultiRec), and touches a request itself only when it has frames to list or a shard without a slot yet; a batch
+//    record holds a single-shard request's two rows as templates (one vector add and one store per row; holes are
+//    marked in the record and skipped in the same loop);
 //  - only multi-shard requests take part in MoE rebalancing, ordered by a stable counting sort over their MultiRecs;
 //  - every shard keeps its frames contiguous and a count of those already lowered, so lowering writes only the
 //    new block-table entries, into pooled output buffers; per-instance counters size every section up front.
