@@ -231,13 +231,33 @@ class SchedulerCore {
     int32_t slot;
     int32_t pos;
   };
-  struct PageDue {  // growth calendar: the request's tail page is full once the growth clock passes `clock`
-    int64_t clock;
-    Entry who;
-  };
-  struct BudgetDue {  // the request runs out of decode budget once the growth clock reaches due_at
-    int64_t due_at;
-    Entry who;
+  // Requests keyed by a growth-clock value `at`, in buckets by at % the bucket count (a bucket also holds later
+  // rounds: at + buckets, ...). drain(lo, hi, visit) hands every item with at in [lo, hi) to visit and drops it;
+  // items of later rounds stay. Used for page-full clocks and decode-budget ends.
+  struct Calendar {
+    struct Item {
+      int64_t at;
+      Entry who;
+    };
+    std::vector<std::vector<Item>> buckets;
+
+    void push(int64_t at, const Entry& who) { buckets[size_t(at) % buckets.size()].push_back({at, who}); }
+    const std::vector<Item>& bucket_of(int64_t at) const { return buckets[size_t(at) % buckets.size()]; }
+    template <class Visit>
+    void drain(int64_t lo, int64_t hi, Visit&& visit) {
+      const int64_t span = std::min<int64_t>(hi - lo, int64_t(buckets.size()));
+      for (int64_t c = lo; c < lo + span; ++c) {
+        std::vector<Item>& bucket = buckets[size_t(c) % buckets.size()];
+        size_t keep = 0;
+        for (const Item& e : bucket) {
+          if (e.at < hi)
+            visit(e);
+          else
+            bucket[keep++] = e;  // a later round of this bucket
+        }
+        bucket.resize(keep);
+      }
+    }
   };
   struct Event {  // a running request the growth pass must visit, by batch position
     int32_t pos;
@@ -426,12 +446,12 @@ class SchedulerCore {
   int64_t grow_iter_ = -1;    // iteration of the last growth pass
   int32_t grow_steps_ = 1;    // its num_steps: the window of every record it did not visit
 
-  // growth calendar (empty under medha): page_due_[c % size] holds the requests whose tail page fills at clock c,
-  // budget_due_[c % size] those whose decode budget ends at clock c (a bucket also holds later rounds: c + size, ...)
+  // growth calendars (empty under medha): page_due_ holds the requests whose tail page fills at a clock value,
+  // budget_due_ those whose decode budget ends at one
   static constexpr size_t kBudgetBuckets = 4096;
   bool calendar_ = false;
-  std::vector<std::vector<PageDue>> page_due_;
-  std::vector<std::vector<BudgetDue>> budget_due_;
+  Calendar page_due_;
+  Calendar budget_due_;
   std::vector<Event> events_;
   std::vector<int32_t> scan_tracked_;  // positions whose page-full clock changed in a fallback pass
   int64_t rr_cursor_ = 0;

@@ -134,8 +134,8 @@ SchedulerCore::SchedulerCore(int64_t num_nodes, int64_t instances_per_node, int6
   // bucket may then hold later clocks too) name every pending page event.
   calendar_ = group_tokens_ == INT64_MAX;
   if (calendar_) {
-    page_due_.resize(size_t(std::min<int64_t>(page_size, 4096)));
-    budget_due_.resize(kBudgetBuckets);
+    page_due_.buckets.resize(size_t(std::min<int64_t>(page_size, 4096)));
+    budget_due_.buckets.resize(kBudgetBuckets);
   }
 
   const int n = shape_.num_instances;
@@ -471,14 +471,12 @@ void SchedulerCore::grow_all() {
 
 void SchedulerCore::track(size_t pos) {
   if (!calendar_) return;
-  const int64_t clock = full_at(rec_[pos]);
-  page_due_[size_t(clock) % page_due_.size()].push_back({clock, entry(pos)});
+  page_due_.push(full_at(rec_[pos]), entry(pos));
 }
 
 void SchedulerCore::track_budget(size_t pos) {
   if (!calendar_) return;
-  const int64_t due_at = rec_due_[pos];
-  budget_due_[size_t(due_at) % kBudgetBuckets].push_back({due_at, entry(pos)});
+  budget_due_.push(rec_due_[pos], entry(pos));
 }
 
 // Without a compaction since the entry was made, its position still names its batch entry (a request that left
@@ -500,37 +498,17 @@ void SchedulerCore::collect_events(int64_t done, int64_t steps_after) {
     events_.push_back({int32_t(pos), slot});
     prefetch_lines(slot);  // the visit reads the request: start the misses now, all of them overlap
   };
-  const size_t buckets = page_due_.size();
-  const int64_t span = std::min<int64_t>(steps_after - done, int64_t(buckets));
-  for (int64_t c = done; c < done + span; ++c) {
-    std::vector<PageDue>& bucket = page_due_[size_t(c) % buckets];
-    size_t keep = 0;
-    for (const PageDue& e : bucket) {
-      const int64_t pos = locate(e.who);
-      if (pos < 0 || full_at(rec_[size_t(pos)]) != e.clock) continue;  // stale
-      if (e.clock < steps_after)
-        add(pos);
-      else
-        bucket[keep++] = e;  // a later round of this bucket
-    }
-    bucket.resize(keep);
-  }
-  // Budgets ending in (done, steps_after]; an entry already past due when it was made (its request is in due_ and
-  // finishes first) is stale: dropped when its bucket comes round.
-  const int64_t budget_span = std::min<int64_t>(steps_after - done, int64_t(kBudgetBuckets));
-  for (int64_t c = done + 1; c <= done + budget_span; ++c) {
-    std::vector<BudgetDue>& bucket = budget_due_[size_t(c) % kBudgetBuckets];
-    size_t keep = 0;
-    for (const BudgetDue& e : bucket) {
-      if (e.due_at > steps_after) {
-        bucket[keep++] = e;  // a later round of this bucket
-        continue;
-      }
-      const int64_t pos = locate(e.who);
-      if (pos >= 0 && rec_due_[size_t(pos)] == e.due_at) add(pos);
-    }
-    bucket.resize(keep);
-  }
+  // Tail pages full before steps_after; budgets ending in (done, steps_after]. A stale entry (its request finished,
+  // moved or was re-admitted since; or, for a budget, was already past due when made: its request is in due_ and
+  // finishes first) is dropped.
+  page_due_.drain(done, steps_after, [&](const Calendar::Item& e) {
+    const int64_t pos = locate(e.who);
+    if (pos >= 0 && full_at(rec_[size_t(pos)]) == e.at) add(pos);
+  });
+  budget_due_.drain(done + 1, steps_after + 1, [&](const Calendar::Item& e) {
+    const int64_t pos = locate(e.who);
+    if (pos >= 0 && rec_due_[size_t(pos)] == e.at) add(pos);
+  });
   std::sort(events_.begin(), events_.end());
   events_.erase(std::unique(events_.begin(), events_.end()), events_.end());
 }

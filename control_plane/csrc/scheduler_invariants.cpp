@@ -25,8 +25,8 @@ void SchedulerCore::check_invariants() {
   int64_t multi_shard = 0;
   require(rec_.size() == running_.size() && rec_due_.size() == running_.size(), "batch records out of date");
   std::set<std::tuple<int32_t, int64_t, int64_t>> budget_keys;
-  for (const auto& bucket : budget_due_)
-    for (const BudgetDue& e : bucket) budget_keys.insert({e.who.slot, e.who.uid, e.due_at});
+  for (const auto& bucket : budget_due_.buckets)
+    for (const Calendar::Item& e : bucket) budget_keys.insert({e.who.slot, e.who.uid, e.at});
   for (size_t g = 0; g < running_.size(); ++g) {
     const int32_t slot = running_[g];
     const Request& r = reqs_[slot];
@@ -79,8 +79,8 @@ void SchedulerCore::check_invariants() {
       const int64_t clock = full_at(got);
       require(clock >= growth_clock_ && clock - growth_clock_ < page, "page-full clock outside the next page");
       bool paged = false, budgeted = false;
-      for (const PageDue& e : page_due_[size_t(clock) % page_due_.size()])
-        paged |= e.who.slot == slot && e.who.uid == r.uid && e.clock == clock && locate(e.who) == int64_t(g);
+      for (const Calendar::Item& e : page_due_.bucket_of(clock))
+        paged |= e.who.slot == slot && e.who.uid == r.uid && e.at == clock && locate(e.who) == int64_t(g);
       budgeted = budget_keys.count({slot, r.uid, r.due_at}) > 0;
       require(paged, "growth calendar misses a running request's page-full clock");
       require(budgeted || decode_steps(r) >= r.max_new_tokens - 1, "growth calendar misses a decode budget");
