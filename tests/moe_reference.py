@@ -19,6 +19,16 @@ def random_topk(tokens: int, k: int, experts: int, gen: torch.Generator, drop: f
     return idx.to(torch.int64)
 
 
+def random_routing(
+    tokens: list[int], hidden: int, k: int, experts: int, gen: torch.Generator, drop: float
+) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
+    """Per rank with tokens[r] tokens: x [t, hidden], topk_idx [t, k] (random_topk), gate weights [t, k]."""
+    xs = [torch.randn(t, hidden, generator=gen) for t in tokens]
+    idxs = [random_topk(t, k, experts, gen, drop) for t in tokens]
+    ws = [torch.rand(t, k, generator=gen) for t in tokens]
+    return xs, idxs, ws
+
+
 def reference_combine(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """sum over slots k (in slot order, fp32) of w_k * f_e(x), computed locally."""
     out = torch.zeros(x.shape, dtype=torch.float32)

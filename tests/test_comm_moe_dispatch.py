@@ -6,7 +6,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from moe_reference import expert_fn, random_topk, reference_combine
+from moe_reference import expert_fn, random_routing, random_topk, reference_combine
 
 from nanocp.comm import InProcessFabric, LowLatencyDispatcher
 from nanocp.comm.launch import run_threads
@@ -47,9 +47,7 @@ def test_dispatch_combine_match_deepep_semantics(world, experts_per_rank, k, max
     k = min(k, num_experts)
     gen = torch.Generator().manual_seed(seed)
     tokens = [int(torch.randint(0, max_tokens + 1, (1,), generator=gen)) for _ in range(world)]
-    xs = [torch.randn(t, hidden, generator=gen) for t in tokens]
-    idxs = [random_topk(t, k, num_experts, gen, drop) for t in tokens]
-    ws = [torch.rand(t, k, generator=gen) for t in tokens]
+    xs, idxs, ws = random_routing(tokens, hidden, k, num_experts, gen, drop)
     results = run_moe(world, [xs], [idxs], [ws], num_experts, max_tokens, torch.float32)
     for rank, [(recv_x, count, handle, out)] in enumerate(results):
         own = range(rank * experts_per_rank, (rank + 1) * experts_per_rank)
@@ -90,9 +88,8 @@ def test_static_buffers_serve_repeated_iterations():
     xs, idxs, ws = [], [], []
     for it in range(3):
         tokens = [5 - it, 2 + it]  # shrinking and growing batches leave stale rows behind
-        xs.append([torch.randn(t, hidden, generator=gen) for t in tokens])
-        idxs.append([random_topk(t, k, num_experts, gen, drop=0.25) for t in tokens])
-        ws.append([torch.rand(t, k, generator=gen) for t in tokens])
+        for acc, part in zip((xs, idxs, ws), random_routing(tokens, hidden, k, num_experts, gen, drop=0.25)):
+            acc.append(part)
     results = run_moe(world, xs, idxs, ws, num_experts, max_tokens, torch.float32, iterations=3)
     for rank in range(world):
         for it in range(3):

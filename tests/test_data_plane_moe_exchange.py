@@ -9,7 +9,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from moe_reference import expert_fn, random_topk, reference_combine
+from moe_reference import expert_fn, random_routing, reference_combine
 
 from nanocp.comm import InProcessFabric, LowLatencyDispatcher
 from nanocp.comm.launch import run_threads
@@ -59,9 +59,7 @@ def test_packed_exchange_delivers_the_routing_and_combines_the_reference_combine
     k = min(k, num_experts)
     gen = torch.Generator().manual_seed(seed)
     tokens = [int(torch.randint(0, max_tokens + 1, (1,), generator=gen)) for _ in range(world)]
-    xs = [torch.randn(t, hidden, generator=gen) for t in tokens]
-    idxs = [random_topk(t, k, num_experts, gen, drop) for t in tokens]
-    ws = [torch.rand(t, k, generator=gen) for t in tokens]
+    xs, idxs, ws = random_routing(tokens, hidden, k, num_experts, gen, drop)
     results = run_packed(world, xs, idxs, ws, num_experts, max_tokens, k, layers=2)
     for rank in range(world):
         own = range(rank * experts_per_rank, (rank + 1) * experts_per_rank)
@@ -84,9 +82,7 @@ def test_packed_exchange_delivers_the_routing_and_combines_the_reference_combine
 def test_packed_and_static_slab_exchanges_combine_alike():
     world, num_experts, max_tokens, k, hidden = 4, 8, 5, 3, 16
     gen = torch.Generator().manual_seed(3)
-    xs = [torch.randn(max_tokens, hidden, generator=gen) for _ in range(world)]
-    idxs = [random_topk(max_tokens, k, num_experts, gen, 0.2) for _ in range(world)]
-    ws = [torch.rand(max_tokens, k, generator=gen) for _ in range(world)]
+    xs, idxs, ws = random_routing([max_tokens] * world, hidden, k, num_experts, gen, 0.2)
     packed = run_packed(world, xs, idxs, ws, num_experts, max_tokens, k)
     fabrics = InProcessFabric.create(world)
 
