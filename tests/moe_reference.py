@@ -3,6 +3,19 @@
 from __future__ import annotations
 
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+# The random exchanges both dispatcher tests draw: ranks, experts per rank, top-k, tokens per rank, drop rate, seed.
+exchange_cases = given(
+    world=st.sampled_from([1, 2, 4]),
+    experts_per_rank=st.integers(1, 3),
+    k=st.integers(1, 4),
+    max_tokens=st.integers(1, 6),
+    drop=st.sampled_from([0.0, 0.3]),
+    seed=st.integers(0, 2**16),
+)
+exchange_settings = settings(max_examples=20, deadline=None)
 
 
 def expert_fn(x: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:

@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
-from moe_reference import expert_fn, random_routing, random_topk, reference_combine
+from moe_reference import exchange_cases, exchange_settings, expert_fn, random_routing, random_topk, reference_combine
 
 from nanocp.comm import InProcessFabric, LowLatencyDispatcher
 from nanocp.comm.launch import run_threads
@@ -33,15 +31,8 @@ def run_moe(world, xs, idxs, ws, num_experts, max_tokens, dtype, iterations=1):
     return run_threads(rank_main, world, timeout_s=60)
 
 
-@settings(max_examples=20, deadline=None)
-@given(
-    world=st.sampled_from([1, 2, 4]),
-    experts_per_rank=st.integers(1, 3),
-    k=st.integers(1, 4),
-    max_tokens=st.integers(1, 6),
-    drop=st.sampled_from([0.0, 0.3]),
-    seed=st.integers(0, 2**16),
-)
+@exchange_settings
+@exchange_cases
 def test_dispatch_combine_match_deepep_semantics(world, experts_per_rank, k, max_tokens, drop, seed):
     num_experts, hidden = world * experts_per_rank, 8
     k = min(k, num_experts)

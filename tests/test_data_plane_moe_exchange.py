@@ -7,9 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
-from moe_reference import expert_fn, random_routing, reference_combine
+from moe_reference import exchange_cases, exchange_settings, expert_fn, random_routing, reference_combine
 
 from nanocp.comm import InProcessFabric, LowLatencyDispatcher
 from nanocp.comm.launch import run_threads
@@ -43,15 +41,8 @@ def run_packed(world, xs, idxs, ws, num_experts, max_tokens, top_k, layers=1):
     return run_threads(rank_main, world, timeout_s=60)
 
 
-@settings(max_examples=20, deadline=None)
-@given(
-    world=st.sampled_from([1, 2, 4]),
-    experts_per_rank=st.integers(1, 3),
-    k=st.integers(1, 4),
-    max_tokens=st.integers(1, 6),
-    drop=st.sampled_from([0.0, 0.3]),
-    seed=st.integers(0, 2**16),
-)
+@exchange_settings
+@exchange_cases
 def test_packed_exchange_delivers_the_routing_and_combines_the_reference_combine(
     world, experts_per_rank, k, max_tokens, drop, seed
 ):
