@@ -4,7 +4,7 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.nanocp-installed
-SOURCES := pyproject.toml CMakeLists.txt $(wildcard control_plane/csrc/*.cpp control_plane/csrc/*.h)
+SOURCES := pyproject.toml CMakeLists.txt $(wildcard control_plane/csrc/*.cpp control_plane/csrc/*.h data_plane/csrc/*.cpp)
 HAS_CUDA := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
 
 .PHONY: install test lint format serve slow reliability bench clean

@@ -27,6 +27,8 @@ import torch.nn.functional as F
 from nanocp.models import DeepseekV3Weights, LayerWeights, MLPWeights, ModelConfig, RotaryEmbedding, rms_norm
 from nanocp.models.deepseek_v3 import LATENT_NORM_EPS
 
+from . import cpu_kernels
+
 ABSORB_MAX_FLOP_RATIO = 2.0
 SEGMENT_MIN_ROWS = 64  # grouped experts: mean tokens per expert from which per-expert GEMMs beat padded bmm's
 _COMPLEX_ROPE_DTYPES = (torch.float32, torch.float64)
@@ -204,6 +206,14 @@ class RopeTable:
 
     def __post_init__(self) -> None:
         self.per_head = self.freqs[:, None, :]  # [T, 1, half]: broadcasts over the query heads
+        self._cos_sin: np.ndarray | None = None
+
+    @property
+    def cos_sin(self) -> np.ndarray:
+        """[T, half, 2] fp32 (cos, sin) pairs, contiguous: what the fused CPU kernels read."""
+        if self._cos_sin is None:
+            self._cos_sin = np.ascontiguousarray(torch.view_as_real(self.freqs.to(torch.complex64)).numpy())
+        return self._cos_sin
 
     @property
     def cos(self) -> torch.Tensor:
@@ -240,7 +250,9 @@ class RopeCache:
 
 
 def norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm; torch's fused op where it computes exactly what `models.rms_norm` does (fp32)."""
+    """RMSNorm: the fused CPU kernel or torch's fused op where they compute what `models.rms_norm` does (fp32)."""
+    if cpu_kernels.usable(x) and x.dim() == 2 and weight.dtype == torch.float32:
+        return cpu_kernels.rms_norm(x, weight, eps)
     if x.dtype == torch.float32 and weight.dtype == torch.float32:
         return torch.rms_norm(x, weight.shape, weight, eps)
     return rms_norm(x, weight, eps)
@@ -276,6 +288,10 @@ def project(
     heads, lora, rope_dim = c.num_attention_heads, c.kv_lora_rank, c.qk_rope_head_dim
     x = norm(h, w.input_norm, c.rms_norm_eps)
     qkv = torch.mm(x, a.qkv_a)  # [T, q_lora + kv_lora + rope]
+    if a.w_uk is None and cpu_kernels.usable(qkv) and a.kv_a_norm.dtype == torch.float32:
+        q_in, kv_new = cpu_kernels.mla_qkv_post(qkv, a.q_a_norm, a.kv_a_norm, LATENT_NORM_EPS, rope.cos_sin)
+        q_latent = torch.mm(x if q_in is None else q_in, a.q_b).view(t, heads, lora + rope_dim)
+        return cpu_kernels.rope_heads_(q_latent, lora, rope.cos_sin), kv_new
     q_lora = qkv.shape[1] - lora - rope_dim
     kv_new = torch.cat(
         [
@@ -314,14 +330,24 @@ def ffn_input(w: DecodeLayerWeights, c: ModelConfig, h: torch.Tensor) -> torch.T
 
 def add_mlp(mlp: GatedMLP, x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
     """h [T, D] + SwiGLU(x [T, D])."""
-    gate_up = x @ mlp.gate_up  # [T, 2I]
-    inter = mlp.down.shape[0]
-    return torch.addmm(h, F.silu(gate_up[:, :inter]) * gate_up[:, inter:], mlp.down)
+    return torch.addmm(h, swiglu(x @ mlp.gate_up), mlp.down)
+
+
+def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up [..., 2I] (gate | up) -> silu(gate) * up [..., I]."""
+    if cpu_kernels.usable(gate_up):
+        return cpu_kernels.silu_mul(gate_up.view(-1, gate_up.shape[-1])).view(*gate_up.shape[:-1], -1)
+    inter = gate_up.shape[-1] // 2
+    return F.silu(gate_up[..., :inter]) * gate_up[..., inter:]
 
 
 def moe_gate(w: DecodeLayerWeights, c: ModelConfig, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [T, D] -> topk_idx int64 [T, k], topk_weights fp32 [T, k] (as models.moe_gate)."""
     t = x.shape[0]
+    if cpu_kernels.usable(x):
+        logits = torch.mm(x, w.gate)  # [T, E]
+        k, scale = c.num_experts_per_tok, c.routed_scaling_factor
+        return cpu_kernels.moe_gate_topk(logits, w.gate_bias, c.n_group, c.topk_group, k, c.norm_topk_prob, scale)
     scores = torch.mm(x.float(), w.gate).sigmoid_()  # [T, E]
     choice = scores + w.gate_bias
     if c.n_group > 1:
@@ -355,14 +381,12 @@ def grouped_experts(
     counts = np.bincount(local, minlength=num_experts)
     order = np.argsort(local, kind="stable")
     starts = np.cumsum(counts) - counts
-    inter = experts.down.shape[1]
     if n < 2 * num_experts or n >= SEGMENT_MIN_ROWS * num_experts:
         xs = source.index_select(0, torch.from_numpy(rows[order]).to(source.device))  # [N, D] sorted by expert
         ys = torch.empty_like(xs)
         for e in np.nonzero(counts)[0].tolist():
             part = slice(int(starts[e]), int(starts[e] + counts[e]))
-            gate_up = xs[part] @ experts.gate_up[e]
-            torch.mm(F.silu(gate_up[:, :inter]) * gate_up[:, inter:], experts.down[e], out=ys[part])
+            torch.mm(swiglu(xs[part] @ experts.gate_up[e]), experts.down[e], out=ys[part])
         inverse = np.empty(n, dtype=np.int64)
         inverse[order] = np.arange(n)
         return ys.index_select(0, torch.from_numpy(inverse).to(ys.device))
@@ -372,8 +396,7 @@ def grouped_experts(
     padded_rows = np.zeros(num_experts * width, dtype=np.int64)
     padded_rows[slot] = rows
     xp = source.index_select(0, torch.from_numpy(padded_rows).to(source.device)).view(num_experts, width, -1)
-    gate_up = torch.bmm(xp, experts.gate_up)  # [E, width, 2I]
-    yp = torch.bmm(F.silu(gate_up[..., :inter]) * gate_up[..., inter:], experts.down)  # [E, width, D]
+    yp = torch.bmm(swiglu(torch.bmm(xp, experts.gate_up)), experts.down)  # [E, width, D]
     return yp.view(num_experts * width, -1).index_select(0, torch.from_numpy(slot).to(yp.device))
 
 
@@ -392,11 +415,9 @@ def routed_experts_sum(
     token = torch.from_numpy(order // k)
     weight = topk_weights.reshape(-1)[torch.from_numpy(order)].float()[:, None]  # [T * k, 1]
     out = torch.zeros(t, x.shape[1], dtype=torch.float32)
-    inter = experts.down.shape[1]
     for e in np.nonzero(counts)[0].tolist():
         part = slice(int(starts[e]), int(starts[e] + counts[e]))
-        gate_up = x.index_select(0, token[part]) @ experts.gate_up[e]
-        y = (F.silu(gate_up[:, :inter]) * gate_up[:, inter:]) @ experts.down[e]
+        y = swiglu(x.index_select(0, token[part]) @ experts.gate_up[e]) @ experts.down[e]
         out.index_add_(0, token[part], y.float().mul_(weight[part]))
     return out.to(x.dtype)
 
@@ -406,9 +427,8 @@ def slab_experts(experts: GroupedExperts | None, recv_x: torch.Tensor, out: torc
     without a token hold stale data; their outputs are never sent back."""
     if experts is None:  # an instance without experts receives no token
         return
-    inter = experts.down.shape[1]
     gate_up = torch.bmm(recv_x[: experts.gate_up.shape[0]], experts.gate_up)  # [E, rows, 2I]
-    torch.bmm(F.silu(gate_up[..., :inter]) * gate_up[..., inter:], experts.down, out=out[: experts.down.shape[0]])
+    torch.bmm(swiglu(gate_up), experts.down, out=out[: experts.down.shape[0]])
 
 
 def final_logits(w: DecodeWeights, h: torch.Tensor) -> torch.Tensor:

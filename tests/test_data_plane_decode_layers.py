@@ -13,6 +13,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from nanocp.data_plane import cpu_kernels
 from nanocp.data_plane import decode_layers as dl
 from nanocp.data_plane.backends.cpu_attention import CpuPagedAttention, fused_attention_unavailable_reason
 from nanocp.models import (
@@ -37,6 +38,16 @@ CONFIGS = {
         TINY, q_lora_rank=None, rope_scaling=None, n_group=1, topk_group=1, n_shared_experts=2, rope_interleave=False
     ),
 }
+
+
+@pytest.fixture(autouse=True, params=["cpu-kernels", "torch"])
+def decode_path(request):
+    """Every test runs on both paths: the fused CPU kernels (where built) and the torch formulation."""
+    if request.param == "cpu-kernels" and cpu_kernels.unavailable_reason() is not None:
+        pytest.skip(cpu_kernels.unavailable_reason())
+    previous = cpu_kernels.set_enabled(request.param == "cpu-kernels")
+    yield request.param
+    cpu_kernels.set_enabled(previous)
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -72,7 +83,7 @@ def test_projection_and_output_equal_the_reference(prepared, rows):
         assert rel_err(q, q_ref) < 1e-5 and rel_err(kv, kv_ref) < 1e-5
         o = torch.randn(rows, c.num_attention_heads, c.kv_lora_rank, generator=gen)
         assert rel_err(dl.add_attention_output(w, h, o), h + mla_decode_output(layer, o)) < 1e-5
-        assert torch.equal(dl.ffn_input(w, c, h), post_attention_norm(layer, h))
+        assert rel_err(dl.ffn_input(w, c, h), post_attention_norm(layer, h)) < 1e-6
 
 
 def test_ffn_gate_and_logits_equal_the_reference(prepared):

@@ -1,0 +1,128 @@
+"""Fused fp32 CPU kernels of the eager decode path (C++: data_plane/csrc/cpu_kernels.cpp), as torch functions.
+
+Each kernel replaces a run of small torch ops between two GEMMs (norms, rope, SwiGLU, the MoE gate's top-k, the
+weighted combine); on CPU a torch op costs microseconds whatever its size, so at decode batch sizes those runs
+cost more than the GEMMs. The torch formulation in decode_layers.py / moe_exchange.py stays the reference and the
+path for every other dtype and device; tests/test_cpu_kernels.py compares the two.
+
+`usable(t)` says whether a tensor can take the fused path: fp32, on CPU, the extension built, and the path not
+switched off with NANOCP_CPU_KERNELS=0 (or `set_enabled(False)`, which tests and the benchmark use to run the
+torch reference side by side).
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import torch
+
+try:
+    from nanocp.data_plane import _cpu_kernels as _k
+except ImportError:  # a source tree without the built extension: the torch path only
+    _k = None
+
+_enabled = _k is not None and os.environ.get("NANOCP_CPU_KERNELS", "1") != "0"
+
+
+def unavailable_reason() -> str | None:
+    """Why the fused kernels are not used (None when they are)."""
+    if _k is None:
+        return "the extension nanocp.data_plane._cpu_kernels is not built"
+    if not _enabled:
+        return "switched off (NANOCP_CPU_KERNELS=0 or set_enabled(False))"
+    return None
+
+
+def set_enabled(enabled: bool) -> bool:
+    """Switch the fused path on or off (it stays off without the extension); returns the previous setting."""
+    global _enabled
+    previous = _enabled
+    _enabled = bool(enabled) and _k is not None
+    return previous
+
+
+def usable(t: torch.Tensor) -> bool:
+    return _enabled and t.dtype == torch.float32 and t.device.type == "cpu"
+
+
+_views: dict[int, tuple[torch.Tensor, np.ndarray]] = {}
+
+
+def _np(t: torch.Tensor) -> np.ndarray:
+    """The numpy view of an activation (no grad: the decode path runs under no_grad)."""
+    return t.numpy()
+
+
+def _weight(t: torch.Tensor) -> np.ndarray:
+    """The numpy view of a weight, kept for as long as the weight lives (keyed by identity)."""
+    cached = _views.get(id(t))
+    if cached is None or cached[0] is not t:
+        cached = _views[id(t)] = (t, t.detach().numpy())
+    return cached[1]
+
+
+def _empty(*shape: int, dtype=np.float32) -> tuple[torch.Tensor, np.ndarray]:
+    """A new tensor and its numpy view (numpy allocates faster than torch.empty)."""
+    a = np.empty(shape, dtype=dtype)
+    return torch.from_numpy(a), a
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x [T, D] -> RMSNorm(x) * weight [T, D]."""
+    out, o = _empty(*x.shape)
+    _k.rms_norm(_np(x), _weight(weight), eps, o)
+    return out
+
+
+def mla_qkv_post(
+    qkv: torch.Tensor, q_norm: torch.Tensor | None, kv_norm: torch.Tensor, eps: float, rope_cs: np.ndarray
+) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """qkv [T, q_lora + kv_lora + rope] (rope dims in pair order), rope_cs [T, rope / 2, 2] (cos, sin) ->
+    q_in [T, q_lora] normed (None without q_lora), kv_new [T, kv_lora + rope]: normed latent | rotated rope."""
+    t = qkv.shape[0]
+    q_lora = 0 if q_norm is None else q_norm.shape[0]
+    q_in, q = _empty(t, q_lora)
+    kv_new, kv = _empty(t, qkv.shape[1] - q_lora)
+    q_weight = _weight(q_norm) if q_norm is not None else np.empty(0, dtype=np.float32)
+    _k.mla_qkv_post(_np(qkv), q_weight, _weight(kv_norm), eps, rope_cs, q, kv)
+    return (q_in if q_norm is not None else None), kv_new
+
+
+def rope_heads_(q: torch.Tensor, offset: int, rope_cs: np.ndarray) -> torch.Tensor:
+    """q [T, H, W]: rotate the pair-ordered dims [offset, offset + rope) of every head in place (de-interleaved)."""
+    _k.rope_heads_(_np(q), offset, rope_cs)
+    return q
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up [T, 2I] (gate | up) -> silu(gate) * up [T, I]."""
+    out, o = _empty(gate_up.shape[0], gate_up.shape[1] // 2)
+    _k.silu_mul(_np(gate_up), o)
+    return out
+
+
+def moe_gate_topk(
+    logits: torch.Tensor,
+    bias: torch.Tensor,
+    n_group: int,
+    topk_group: int,
+    top_k: int,
+    normalize: bool,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gate logits [T, E] (before the sigmoid) -> topk_idx int64 [T, k], topk_weights fp32 [T, k]."""
+    idx, i = _empty(logits.shape[0], top_k, dtype=np.int64)
+    weights, w = _empty(logits.shape[0], top_k)
+    _k.moe_gate_topk(_np(logits), _weight(bias), n_group, topk_group, normalize, scale, i, w)
+    return idx, weights
+
+
+def weighted_combine(
+    y: torch.Tensor, rows: torch.Tensor, weights: torch.Tensor, base: torch.Tensor, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """out [T, D] = base + sum_j weights[:, j] * y[rows[:, j]] (fp32); rows int64 [T, k], -1 = no contribution."""
+    if out is None:
+        out = torch.from_numpy(np.empty(base.shape, dtype=np.float32))
+    _k.weighted_combine(_np(y), _np(rows), _np(weights), _np(base), _np(out))
+    return out

@@ -1,0 +1,283 @@
+// Fused fp32 CPU kernels of the eager decode path: the small element-wise and routing steps between the GEMMs.
+//
+// On CPU every torch op costs several microseconds whatever its size, and a decode layer of the tiny model runs
+// about 150 of them around its 7 GEMMs. Each kernel here does one of those runs of small ops in one pass over
+// rows held in cache. The GEMMs stay torch's (oneDNN/MKL). The torch formulation of each step in
+// data_plane/decode_layers.py and data_plane/moe_exchange.py is the reference: tests/test_cpu_kernels.py compares
+// every kernel with it on random inputs.
+//
+// Arrays come in as numpy views of torch tensors (nanobind checks dtype, rank and device); rows may be strided,
+// the last dimension must be contiguous.
+#include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace nb = nanobind;
+
+namespace {
+
+template <int N>
+using F32 = nb::ndarray<float, nb::ndim<N>, nb::device::cpu>;
+template <int N>
+using I64 = nb::ndarray<int64_t, nb::ndim<N>, nb::device::cpu>;
+
+template <typename A>
+void require_rows(const A& a, const char* name) {
+  if (a.stride(a.ndim() - 1) != 1 && a.shape(a.ndim() - 1) > 1)
+    throw std::invalid_argument(std::string(name) + ": the last dimension must be contiguous");
+}
+
+void require(bool ok, const std::string& what) {
+  if (!ok) throw std::invalid_argument(what);
+}
+
+std::string shape_of(size_t a, size_t b) { return "[" + std::to_string(a) + ", " + std::to_string(b) + "]"; }
+
+constexpr int kLanes = 16;  // partial sums per reduction: one AVX-512 register (the compiler vectorizes the lanes)
+
+// sum of x[i]^2 over n values, in kLanes interleaved partial sums.
+inline float sum_squares(const float* x, int64_t n) {
+  float lane[kLanes] = {};
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes)
+    for (int j = 0; j < kLanes; ++j) lane[j] += x[i + j] * x[i + j];
+  float ss = 0.0f;
+  for (; i < n; ++i) ss += x[i] * x[i];
+  for (int j = 0; j < kLanes; ++j) ss += lane[j];
+  return ss;
+}
+
+// e^x in fp32 (within 2 ulp of std::exp over the finite range; inputs are clamped to it) as plain arithmetic, so
+// loops calling it vectorize: e^x = 2^n * e^r with n = round(x / ln 2), |r| <= ln 2 / 2, e^r a degree-6 polynomial.
+inline float fast_exp(float x) {
+  x = std::min(std::max(x, -87.0f), 88.0f);
+  const float n = std::nearbyint(x * 1.44269504088896341f);
+  const float r = (x - n * 0.693359375f) + n * 2.12194440e-4f;  // ln 2 in two parts: r is exact to fp32
+  float p = 1.0f / 720.0f;
+  p = p * r + 1.0f / 120.0f;
+  p = p * r + 1.0f / 24.0f;
+  p = p * r + 1.0f / 6.0f;
+  p = p * r + 0.5f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
+  int32_t bits;
+  std::memcpy(&bits, &p, sizeof bits);
+  bits += static_cast<int32_t>(n) << 23;
+  std::memcpy(&p, &bits, sizeof p);
+  return p;
+}
+
+// y = x * rsqrt(mean(x^2) + eps) * w over one row of n values.
+inline void rms_norm_row(const float* x, const float* w, float eps, float* y, int64_t n) {
+  const float ss = sum_squares(x, n);
+  const float r = 1.0f / std::sqrt(ss / static_cast<float>(n) + eps);
+  for (int64_t i = 0; i < n; ++i) y[i] = x[i] * r * w[i];
+}
+
+// The rope pairs (x1_i, x2_i) of one row, side by side in pair order -> rotated and de-interleaved: [x1' | x2'].
+// cs holds (cos_i, sin_i) pairs of the row's position. Safe in place.
+inline void rotate_row(const float* x, const float* cs, float* y, int64_t half) {
+  float tmp[256];
+  for (int64_t i = 0; i < half; ++i) {
+    const float a = x[2 * i], b = x[2 * i + 1], c = cs[2 * i], s = cs[2 * i + 1];
+    tmp[i] = a * c - b * s;
+    tmp[half + i] = a * s + b * c;
+  }
+  std::copy(tmp, tmp + 2 * half, y);
+}
+
+// ---- attention side ------------------------------------------------------------------------------------------
+
+// x [T, D] -> out [T, D] (RMSNorm with weight w [D]).
+void rms_norm(F32<2> x, F32<1> w, float eps, F32<2> out) {
+  require_rows(x, "x");
+  require_rows(out, "out");
+  const int64_t t = x.shape(0), d = x.shape(1);
+  require(w.shape(0) == static_cast<size_t>(d) && out.shape(0) == x.shape(0) && out.shape(1) == x.shape(1),
+          "rms_norm: x " + shape_of(x.shape(0), x.shape(1)) + ", weight [" + std::to_string(w.shape(0)) +
+              "] and out " + shape_of(out.shape(0), out.shape(1)) + " disagree");
+  for (int64_t r = 0; r < t; ++r) rms_norm_row(x.data() + r * x.stride(0), w.data(), eps, out.data() + r * out.stride(0), d);
+}
+
+// The step between MLA's two down-projection GEMMs. qkv [T, q_lora + lora + rope] (q_lora may be 0) ->
+//   q_out [T, q_lora] = RMSNorm(qkv[:, :q_lora], q_norm)                         (when q_lora > 0)
+//   kv_out [T, lora + rope] = [RMSNorm(qkv[:, q_lora:q_lora + lora], kv_norm) | rotated qkv[:, q_lora + lora:]]
+// rope_cs [T, rope / 2, 2]: (cos, sin) of each row's position.
+void mla_qkv_post(F32<2> qkv, F32<1> q_norm, F32<1> kv_norm, float eps, F32<3> rope_cs, F32<2> q_out,
+                  F32<2> kv_out) {
+  require_rows(qkv, "qkv");
+  const int64_t t = qkv.shape(0), q_lora = q_out.shape(1), lora = kv_norm.shape(0);
+  const int64_t half = rope_cs.shape(1), rope = 2 * half;
+  require(static_cast<int64_t>(qkv.shape(1)) == q_lora + lora + rope,
+          "mla_qkv_post: qkv has " + std::to_string(qkv.shape(1)) + " columns, expected q_lora + kv_lora + rope = " +
+              std::to_string(q_lora + lora + rope));
+  require(static_cast<int64_t>(rope_cs.shape(0)) == t && rope_cs.shape(2) == 2 && half <= 128,
+          "mla_qkv_post: rope_cs must be [T, rope / 2, 2] with rope <= 256");
+  require(static_cast<int64_t>(kv_out.shape(0)) == t && static_cast<int64_t>(kv_out.shape(1)) == lora + rope,
+          "mla_qkv_post: kv_out must be " + shape_of(t, lora + rope));
+  require(static_cast<int64_t>(q_out.shape(0)) == t && static_cast<int64_t>(q_norm.shape(0)) == q_lora,
+          "mla_qkv_post: q_out must be [T, q_lora] and q_norm [q_lora]");
+  require(rope_cs.stride(2) == 1 && rope_cs.stride(1) == 2, "mla_qkv_post: rope_cs rows must be contiguous");
+  for (int64_t r = 0; r < t; ++r) {
+    const float* row = qkv.data() + r * qkv.stride(0);
+    if (q_lora) rms_norm_row(row, q_norm.data(), eps, q_out.data() + r * q_out.stride(0), q_lora);
+    float* kv = kv_out.data() + r * kv_out.stride(0);
+    rms_norm_row(row + q_lora, kv_norm.data(), eps, kv, lora);
+    rotate_row(row + q_lora + lora, rope_cs.data() + r * rope_cs.stride(0), kv + lora, half);
+  }
+}
+
+// q [T, H, width]: the rope dims q[:, :, offset:offset + rope] (pair order) rotated in place, de-interleaved.
+void rope_heads_(F32<3> q, int64_t offset, F32<3> rope_cs) {
+  require_rows(q, "q");
+  const int64_t t = q.shape(0), heads = q.shape(1), half = rope_cs.shape(1);
+  require(static_cast<int64_t>(rope_cs.shape(0)) == t && rope_cs.shape(2) == 2 && half <= 128 &&
+              rope_cs.stride(2) == 1 && rope_cs.stride(1) == 2,
+          "rope_heads_: rope_cs must be contiguous [T, rope / 2, 2] with rope <= 256");
+  require(offset >= 0 && offset + 2 * half <= static_cast<int64_t>(q.shape(2)),
+          "rope_heads_: the rope dims do not fit the rows of q");
+  for (int64_t r = 0; r < t; ++r)
+    for (int64_t h = 0; h < heads; ++h) {
+      float* x = q.data() + r * q.stride(0) + h * q.stride(1) + offset;
+      rotate_row(x, rope_cs.data() + r * rope_cs.stride(0), x, half);
+    }
+}
+
+// ---- FFN / MoE side ------------------------------------------------------------------------------------------
+
+// gate_up [..., 2I] (gate | up) -> out [..., I] = silu(gate) * up, over rows of the flattened leading dims.
+void silu_mul(F32<2> gate_up, F32<2> out) {
+  require_rows(gate_up, "gate_up");
+  require_rows(out, "out");
+  const int64_t t = gate_up.shape(0), inter = out.shape(1);
+  require(static_cast<int64_t>(gate_up.shape(1)) == 2 * inter && out.shape(0) == gate_up.shape(0),
+          "silu_mul: gate_up " + shape_of(gate_up.shape(0), gate_up.shape(1)) + " and out " +
+              shape_of(out.shape(0), out.shape(1)) + " disagree");
+  for (int64_t r = 0; r < t; ++r) {
+    const float* g = gate_up.data() + r * gate_up.stride(0);
+    const float* u = g + inter;
+    float* y = out.data() + r * out.stride(0);
+    for (int64_t i = 0; i < inter; ++i) y[i] = g[i] / (1.0f + fast_exp(-g[i])) * u[i];
+  }
+}
+
+// DeepSeek-V3's gate after its GEMM: logits [T, E] -> topk_idx [T, k] (descending choice score), topk_w [T, k].
+// scores = sigmoid(logits); choice = scores + bias; with n_group > 1 only the topk_group groups with the largest
+// sums of their two best choices compete; the weights are the chosen scores, normalised to sum 1 when
+// `normalize`, times `scale`. Ties go to the lower expert id.
+void moe_gate_topk(F32<2> logits, F32<1> bias, int64_t n_group, int64_t topk_group, bool normalize, float scale,
+                   I64<2> topk_idx, F32<2> topk_w) {
+  require_rows(logits, "logits");
+  const int64_t t = logits.shape(0), e = logits.shape(1), k = topk_idx.shape(1);
+  require(static_cast<int64_t>(bias.shape(0)) == e, "moe_gate_topk: bias must have one value per expert");
+  require(n_group >= 1 && e % n_group == 0 && topk_group >= 1 && topk_group <= n_group,
+          "moe_gate_topk: bad grouping (n_group " + std::to_string(n_group) + ", topk_group " +
+              std::to_string(topk_group) + ", " + std::to_string(e) + " experts)");
+  const int64_t per_group = e / n_group;
+  require(k >= 1 && k <= topk_group * per_group && (n_group == 1 || per_group >= 2),
+          "moe_gate_topk: top-k " + std::to_string(k) + " does not fit the allowed groups");
+  require(static_cast<int64_t>(topk_idx.shape(0)) == t && topk_w.shape(0) == topk_idx.shape(0) &&
+              topk_w.shape(1) == topk_idx.shape(1),
+          "moe_gate_topk: topk_idx and topk_w must both be [T, k]");
+  std::vector<float> scores(e), choice(e), group_score(n_group);
+  std::vector<char> allowed(e);
+  for (int64_t r = 0; r < t; ++r) {
+    const float* z = logits.data() + r * logits.stride(0);
+    for (int64_t j = 0; j < e; ++j) {
+      scores[j] = 1.0f / (1.0f + fast_exp(-z[j]));
+      choice[j] = scores[j] + bias.data()[j];
+    }
+    std::fill(allowed.begin(), allowed.end(), 1);
+    if (n_group > 1) {
+      for (int64_t g = 0; g < n_group; ++g) {
+        float a = -INFINITY, b = -INFINITY;  // the group's two best choices
+        for (int64_t j = g * per_group; j < (g + 1) * per_group; ++j) {
+          if (choice[j] > a) {
+            b = a;
+            a = choice[j];
+          } else if (choice[j] > b) {
+            b = choice[j];
+          }
+        }
+        group_score[g] = a + b;
+      }
+      std::vector<char> keep(n_group, 0);
+      for (int64_t pick = 0; pick < topk_group; ++pick) {
+        int64_t best = -1;
+        for (int64_t g = 0; g < n_group; ++g)
+          if (!keep[g] && (best < 0 || group_score[g] > group_score[best])) best = g;
+        keep[best] = 1;
+      }
+      for (int64_t j = 0; j < e; ++j) allowed[j] = keep[j / per_group];
+    }
+    int64_t* idx = topk_idx.data() + r * topk_idx.stride(0);
+    float* w = topk_w.data() + r * topk_w.stride(0);
+    float sum = 0.0f;
+    for (int64_t pick = 0; pick < k; ++pick) {
+      int64_t best = -1;
+      for (int64_t j = 0; j < e; ++j)
+        if (allowed[j] && (best < 0 || choice[j] > choice[best])) best = j;
+      allowed[best] = 0;
+      idx[pick * topk_idx.stride(1)] = best;
+      w[pick * topk_w.stride(1)] = scores[best];
+      sum += scores[best];
+    }
+    for (int64_t pick = 0; pick < k; ++pick) {
+      float& v = w[pick * topk_w.stride(1)];
+      v = (normalize ? v / (sum + 1e-20f) : v) * scale;
+    }
+  }
+}
+
+// out[t] = base[t] + sum_j weights[t, j] * y[rows[t, j]] in fp32; a row < 0 contributes nothing.
+// base may be out (in place).
+void weighted_combine(F32<2> y, I64<2> rows, F32<2> weights, F32<2> base, F32<2> out) {
+  require_rows(y, "y");
+  const int64_t t = rows.shape(0), k = rows.shape(1), d = y.shape(1), n = y.shape(0);
+  require(weights.shape(0) == rows.shape(0) && weights.shape(1) == rows.shape(1),
+          "weighted_combine: weights must be shaped like rows " + shape_of(t, k));
+  require(static_cast<int64_t>(base.shape(0)) == t && static_cast<int64_t>(base.shape(1)) == d &&
+              out.shape(0) == base.shape(0) && out.shape(1) == base.shape(1),
+          "weighted_combine: base and out must be " + shape_of(t, d));
+  for (int64_t r = 0; r < t; ++r)
+    for (int64_t j = 0; j < k; ++j) {
+      const int64_t src = rows.data()[r * rows.stride(0) + j * rows.stride(1)];
+      require(src < n, "weighted_combine: row " + std::to_string(src) + " outside y's " + std::to_string(n));
+    }
+  std::vector<float> acc(d);
+  for (int64_t r = 0; r < t; ++r) {
+    std::fill(acc.begin(), acc.end(), 0.0f);
+    for (int64_t j = 0; j < k; ++j) {
+      const int64_t src = rows.data()[r * rows.stride(0) + j * rows.stride(1)];
+      if (src < 0) continue;
+      const float wj = weights.data()[r * weights.stride(0) + j * weights.stride(1)];
+      const float* yr = y.data() + src * y.stride(0);
+      for (int64_t i = 0; i < d; ++i) acc[i] += wj * yr[i];
+    }
+    const float* b = base.data() + r * base.stride(0);
+    float* o = out.data() + r * out.stride(0);
+    for (int64_t i = 0; i < d; ++i) o[i] = b[i] + acc[i];
+  }
+}
+
+}  // namespace
+
+NB_MODULE(_cpu_kernels, m) {
+  m.doc() = "nanocp fused fp32 CPU kernels of the eager decode path (tests compare each with its torch reference)";
+  m.def("rms_norm", &rms_norm, nb::arg("x"), nb::arg("weight"), nb::arg("eps"), nb::arg("out"));
+  m.def("mla_qkv_post", &mla_qkv_post, nb::arg("qkv"), nb::arg("q_norm"), nb::arg("kv_norm"), nb::arg("eps"),
+        nb::arg("rope_cs"), nb::arg("q_out"), nb::arg("kv_out"));
+  m.def("rope_heads_", &rope_heads_, nb::arg("q"), nb::arg("offset"), nb::arg("rope_cs"));
+  m.def("silu_mul", &silu_mul, nb::arg("gate_up"), nb::arg("out"));
+  m.def("moe_gate_topk", &moe_gate_topk, nb::arg("logits"), nb::arg("bias"), nb::arg("n_group"),
+        nb::arg("topk_group"), nb::arg("normalize"), nb::arg("scale"), nb::arg("topk_idx"), nb::arg("topk_w"));
+  m.def("weighted_combine", &weighted_combine, nb::arg("y"), nb::arg("rows"), nb::arg("weights"), nb::arg("base"),
+        nb::arg("out"));
+}
