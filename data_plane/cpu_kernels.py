@@ -126,3 +126,27 @@ def weighted_combine(
         out = torch.from_numpy(np.empty(base.shape, dtype=np.float32))
     _k.weighted_combine(_np(y), _np(rows), _np(weights), _np(base), _np(out))
     return out
+
+
+def moe_dispatch_layout(
+    topk_idx: np.ndarray, num_experts: int, ranks: int, cap: int
+) -> tuple[int, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """topk_idx int64 [T, k] (-1 = no expert) -> (n pairs, source [n + ranks], tags [n + ranks], per_dst [ranks],
+    result_rows [T, k]): the packed dispatch payload layout of data_plane/moe_exchange.py."""
+    t, k = topk_idx.shape
+    source = np.empty(t * k + ranks, dtype=np.int64)
+    tags = np.empty(t * k + ranks, dtype=np.int64)
+    per_dst = np.empty(ranks, dtype=np.int64)
+    result_rows = np.empty((t, k), dtype=np.int64)
+    idx = np.ascontiguousarray(topk_idx)
+    n = _k.moe_dispatch_layout(idx, num_experts, ranks, cap, source, tags, per_dst, result_rows)
+    return n, source[: n + ranks], tags[: n + ranks], per_dst, result_rows
+
+
+def expert_padding(rows: np.ndarray, local: np.ndarray, num_experts: int) -> tuple[int, np.ndarray, np.ndarray]:
+    """rows, local int64 [N] -> (width, padded_rows [E * width] (rows at their slots, 0 in the padding), slot [N]):
+    the [E, width] zero-padded grouping of data_plane/decode_layers.grouped_experts."""
+    slot = np.empty(len(local), dtype=np.int64)
+    padded_rows = np.empty(num_experts * len(local), dtype=np.int64)
+    width = _k.expert_padding(rows, local, num_experts, slot, padded_rows)
+    return width, padded_rows[: num_experts * width], slot

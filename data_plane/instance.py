@@ -330,8 +330,8 @@ class DecodeInstance:
                 dispatcher.combine_send(y, received)
             yield Wait(dispatcher.combine_wait_flags(pending))
             with timing.phase("combine", i, ctx):
-                routed = dispatcher.combine_finish(pending, topk_weights, h.dtype)
-                return (add_mlp(w.shared, x, h) if w.shared is not None and m else h) + routed
+                base = add_mlp(w.shared, x, h) if w.shared is not None and m else h
+                return dispatcher.combine_finish(pending, topk_weights, h.dtype, base=base)
         with timing.phase("experts", i, ctx):
             recv_x, _, handle = dispatcher.dispatch_finish(pending)
             y = self._slab_experts(w, recv_x, handle)

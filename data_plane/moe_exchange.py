@@ -24,6 +24,8 @@ import torch
 from nanocp.comm.fabric import DEFAULT_TIMEOUT_S, Fabric
 from nanocp.comm.moe_dispatch import check_dispatch_inputs
 
+from . import cpu_kernels
+
 
 @dataclass
 class PackedPending:
@@ -32,7 +34,7 @@ class PackedPending:
     seq: int
     tokens: int
     top_k: int
-    result_rows: torch.Tensor  # int64 [T * k]: row of each (token, slot) result in the `y` buffer (0 when none)
+    result_rows: torch.Tensor  # int64 [T, k]: row of each (token, slot) result in the `y` buffer (-1 when none)
     valid: torch.Tensor | None  # bool [T, k] when some slot chose no expert, else None
 
 
@@ -44,6 +46,37 @@ class PackedReceived:
     rows: np.ndarray  # int64 [N]: row of each received token in `recv_x`
     local_expert: np.ndarray  # int64 [N]
     source_counts: list[int]  # [ranks]
+
+
+def packed_layout(
+    idx: np.ndarray, num_experts: int, ranks: int, cap: int
+) -> tuple[int, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The dispatch payload layout of topk_idx [T, k] (-1 = no expert), in numpy (cpu_kernels.moe_dispatch_layout
+    is the fused form) -> (n pairs, source token [n + ranks], tags [n + ranks], per_dst [ranks], result_rows [T, k]
+    (-1 = none)): per destination rank a header row, then its pairs sorted by (expert, token)."""
+    lx = num_experts // ranks
+    t, k = idx.shape
+    key = idx.reshape(-1) + 1  # 0 = no expert, sorts first
+    order = np.argsort(key, kind="stable")  # pairs by (expert, token)
+    per_expert = np.bincount(key, minlength=num_experts + 1)
+    per_dst = per_expert[1:].reshape(ranks, lx).sum(axis=1)
+    if per_dst.max() > cap:
+        raise ValueError(f"{int(per_dst.max())} pairs for one rank exceed its capacity {cap}")
+    n = t * k - int(per_expert[0])
+    order = order[t * k - n :]
+    expert = key[order] - 1
+    dst = expert // lx
+    starts = np.cumsum(per_dst) - per_dst  # first pair of each peer
+    position = np.arange(n) + dst + 1  # payload row of each pair: after the headers of peers <= its own
+    headers = starts + np.arange(ranks)
+    tags = np.empty(n + ranks, dtype=np.int64)
+    tags[position] = expert - dst * lx
+    tags[headers] = per_dst
+    source = np.zeros(n + ranks, dtype=np.int64)
+    source[position] = order // k
+    result_rows = np.full(t * k, -1, dtype=np.int64)
+    result_rows[order] = dst * cap + np.arange(n) - starts[dst]
+    return n, source, tags, per_dst, result_rows.reshape(t, k)
 
 
 class PackedDispatcher:
@@ -112,39 +145,28 @@ class PackedDispatcher:
             else topk_idx.cpu().numpy()
         )  # [T, k]
         self._seq += 1
-        rank, ranks, lx = self.fabric.rank, self.fabric.world_size, self.local_experts
+        rank, ranks = self.fabric.rank, self.fabric.world_size
         t, k = idx.shape
         if t == 0:  # nothing to send: every peer gets an empty block (its header says 0)
             for d in range(ranks):
                 self._put(d, "x", rank * (self.cap + 1), self._empty_header)
             self._signal_peers(self.dispatch_flag, self._seq)
-            return PackedPending(self._seq, 0, k, torch.zeros(0, dtype=torch.int64), None)
-        key = idx.reshape(-1) + 1  # 0 = no expert, sorts first
-        order = np.argsort(key, kind="stable")  # pairs by (expert, token)
-        per_expert = np.bincount(key, minlength=self.num_experts + 1)
-        per_dst = per_expert[1:].reshape(ranks, lx).sum(axis=1)
-        n = t * k - int(per_expert[0])
-        order = order[t * k - n :]
-        expert = key[order] - 1
-        dst = expert // lx
-        starts = np.cumsum(per_dst) - per_dst  # first pair of each peer
-        position = np.arange(n) + dst + 1  # payload row of each pair: after the headers of peers <= its own
-        headers = starts + np.arange(ranks)
+            return PackedPending(self._seq, 0, k, torch.zeros(0, k, dtype=torch.int64), None)
+        if cpu_kernels.usable(x):
+            layout = cpu_kernels.moe_dispatch_layout(idx, self.num_experts, ranks, self.cap)
+        else:
+            layout = packed_layout(idx, self.num_experts, ranks, self.cap)
+        n, source, tags, per_dst, result_rows = layout
         payload = torch.empty(n + ranks, self.row, dtype=self.dtype, device=x.device)
-        tags = np.empty(n + ranks, dtype=np.int64)
-        tags[position] = expert - dst * lx
-        tags[headers] = per_dst
         if n:
-            source = np.zeros(n + ranks, dtype=np.int64)
-            source[position] = order // k
             payload[:, : self.hidden] = x.index_select(0, torch.from_numpy(source).to(x.device))
         self._tags(payload).copy_(torch.from_numpy(tags))
         row = rank * (self.cap + 1)
-        for d, (first, count) in enumerate(zip(headers.tolist(), per_dst.tolist())):
+        first = 0
+        for d, count in enumerate(per_dst.tolist()):
             self._put(d, "x", row, payload[first : first + 1 + count])
+            first += 1 + count
         self._signal_peers(self.dispatch_flag, self._seq)
-        result_rows = np.zeros(t * k, dtype=np.int64)
-        result_rows[order] = dst * self.cap + np.arange(n) - starts[dst]
         valid = None if n == t * k else torch.from_numpy(idx >= 0)
         return PackedPending(self._seq, t, k, torch.from_numpy(result_rows), valid)
 
@@ -186,23 +208,28 @@ class PackedDispatcher:
         """(flag, value) pairs that must hold before combine_finish: every rank has sent its outputs."""
         return [(self.combine_flag + src, pending.seq) for src in self._peers]
 
-    def combine_finish(self, pending: PackedPending, topk_weights: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """out [T, hidden] = sum over the top-k slots of weight * expert output, accumulated in fp32."""
+    def combine_finish(
+        self, pending: PackedPending, topk_weights: torch.Tensor, dtype: torch.dtype, base: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """out [T, hidden] = (base +) sum over the top-k slots of weight * expert output, accumulated in fp32."""
         if tuple(topk_weights.shape) != (pending.tokens, pending.top_k):
             raise ValueError(
                 f"topk_weights must be [{pending.tokens}, {pending.top_k}], got {tuple(topk_weights.shape)}"
             )
         if pending.tokens == 0:
-            return torch.zeros(0, self.hidden, dtype=dtype)
+            return torch.zeros(0, self.hidden, dtype=dtype) if base is None else base
         buffer = self.fabric.buffer(self._names["y"])
-        results = buffer.index_select(0, pending.result_rows.to(buffer.device))
+        if base is not None and cpu_kernels.usable(buffer) and cpu_kernels.usable(base) and dtype == torch.float32:
+            return cpu_kernels.weighted_combine(buffer, pending.result_rows, topk_weights.float(), base)
+        results = buffer.index_select(0, pending.result_rows.view(-1).clamp(min=0).to(buffer.device))
         results = results.view(pending.tokens, pending.top_k, self.hidden).float()  # [T, k, hidden]
         weights = topk_weights.float()
         if pending.valid is not None:  # slots without an expert read row 0: weight 0, value 0
             valid = pending.valid.to(buffer.device)
             weights = weights.masked_fill(~valid, 0.0)
             results = results.masked_fill(~valid[..., None], 0.0)
-        return torch.bmm(weights[:, None, :], results)[:, 0].to(dtype)
+        routed = torch.bmm(weights[:, None, :], results)[:, 0].to(dtype)
+        return routed if base is None else base + routed
 
     # ---- transport ----------------------------------------------------------------------------------------
     def _put(self, dst: int, buffer: str, row: int, rows: torch.Tensor) -> None:

@@ -7,11 +7,21 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from moe_reference import exchange_cases, exchange_settings, expert_fn, random_routing, reference_combine
+from hypothesis import given
+from hypothesis import strategies as st
+from moe_reference import (
+    exchange_cases,
+    exchange_settings,
+    expert_fn,
+    random_routing,
+    random_topk,
+    reference_combine,
+)
 
 from nanocp.comm import InProcessFabric, LowLatencyDispatcher
 from nanocp.comm.launch import run_threads
-from nanocp.data_plane.moe_exchange import PackedDispatcher
+from nanocp.data_plane import cpu_kernels
+from nanocp.data_plane.moe_exchange import PackedDispatcher, packed_layout
 
 
 def run_packed(world, xs, idxs, ws, num_experts, max_tokens, top_k, layers=1):
@@ -35,6 +45,9 @@ def run_packed(world, xs, idxs, ws, num_experts, max_tokens, top_k, layers=1):
             for flag, value in disp.combine_wait_flags(pending):
                 fabrics[rank].wait(flag, value, 30.0)
             out = disp.combine_finish(pending, ws[rank], torch.float32)
+            base = torch.randn(out.shape, generator=torch.Generator().manual_seed(rank))
+            with_base = disp.combine_finish(pending, ws[rank], torch.float32, base=base.clone())
+            torch.testing.assert_close(with_base, base + out, rtol=1e-6, atol=1e-6)  # fused or torch, same sum
             results.append((tokens, experts, received.source_counts, out))
         return results
 
@@ -68,6 +81,50 @@ def test_packed_exchange_delivers_the_routing_and_combines_the_reference_combine
             assert torch.equal(got, torch.stack(want_rows) if want_rows else got.new_zeros(0, hidden))
             want = reference_combine(xs[rank] * (layer + 1), idxs[rank], ws[rank])
             torch.testing.assert_close(out, want, rtol=1e-6, atol=1e-6)
+
+
+@pytest.fixture(params=["cpu-kernels", "torch"])
+def exchange_path(request):
+    """The fused CPU kernels (where built) or the numpy / torch formulation for the layout and the combine."""
+    if request.param == "cpu-kernels" and cpu_kernels.unavailable_reason() is not None:
+        pytest.skip(cpu_kernels.unavailable_reason())
+    previous = cpu_kernels.set_enabled(request.param == "cpu-kernels")
+    yield request.param
+    cpu_kernels.set_enabled(previous)
+
+
+@exchange_settings
+@given(
+    ranks=st.integers(1, 4),
+    experts_per_rank=st.integers(1, 4),
+    tokens=st.integers(0, 9),
+    k=st.integers(1, 4),
+    drop=st.sampled_from([0.0, 0.3, 1.0]),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_fused_dispatch_layout_equals_the_numpy_layout(ranks, experts_per_rank, tokens, k, drop, seed):
+    if cpu_kernels.unavailable_reason() is not None:
+        pytest.skip(cpu_kernels.unavailable_reason())
+    num_experts = ranks * experts_per_rank
+    k = min(k, num_experts)
+    idx = random_topk(tokens, k, num_experts, torch.Generator().manual_seed(seed), drop).numpy()
+    cap = tokens * min(k, experts_per_rank)
+    want = packed_layout(idx, num_experts, ranks, cap)
+    got = cpu_kernels.moe_dispatch_layout(idx, num_experts, ranks, cap)
+    assert got[0] == want[0]
+    for g, w in zip(got[1:], want[1:]):
+        assert np.array_equal(g, w)
+    if want[0]:
+        with pytest.raises(ValueError, match="exceed its capacity"):
+            cpu_kernels.moe_dispatch_layout(idx, num_experts, ranks, 0)
+
+
+def test_packed_exchange_combines_alike_on_both_paths(exchange_path):
+    world, num_experts, max_tokens, k, hidden = 3, 6, 7, 3, 16
+    gen = torch.Generator().manual_seed(11)
+    xs, idxs, ws = random_routing([max_tokens] * world, hidden, k, num_experts, gen, 0.25)
+    for rank, (_, _, _, out) in enumerate(r[0] for r in run_packed(world, xs, idxs, ws, num_experts, max_tokens, k)):
+        torch.testing.assert_close(out, reference_combine(xs[rank], idxs[rank], ws[rank]), rtol=1e-6, atol=1e-6)
 
 
 def test_packed_and_static_slab_exchanges_combine_alike():

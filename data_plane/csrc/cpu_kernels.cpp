@@ -267,6 +267,100 @@ void weighted_combine(F32<2> y, I64<2> rows, F32<2> weights, F32<2> base, F32<2>
   }
 }
 
+// ---- MoE exchange bookkeeping ----------------------------------------------------------------------------------
+
+// The packed dispatch layout (data_plane/moe_exchange.py): topk_idx [T, k] (-1 = no expert) -> the payload this
+// rank sends, every peer's block back to back: per destination rank a header row then its (token, expert) pairs
+// sorted by (expert, token). Writes source [n + ranks] (token of each payload row; 0 for headers), tags
+// [n + ranks] (local expert of each pair; the pair count in each header), per_dst [ranks] and result_rows [T, k]
+// (row of each pair's result in the sender's combine buffer: dst * cap + index within dst's block; -1 = none).
+// Returns n, the number of pairs.
+int64_t moe_dispatch_layout(I64<2> topk_idx, int64_t num_experts, int64_t ranks, int64_t cap, I64<1> source,
+                            I64<1> tags, I64<1> per_dst, I64<2> result_rows) {
+  const int64_t t = topk_idx.shape(0), k = topk_idx.shape(1);
+  require(ranks >= 1 && num_experts % ranks == 0, "moe_dispatch_layout: experts must split evenly over the ranks");
+  require(static_cast<int64_t>(source.shape(0)) >= t * k + ranks && tags.shape(0) == source.shape(0) &&
+              static_cast<int64_t>(per_dst.shape(0)) == ranks && result_rows.shape(0) == topk_idx.shape(0) &&
+              result_rows.shape(1) == topk_idx.shape(1),
+          "moe_dispatch_layout: output buffers have the wrong shapes");
+  require(t == 0 || k == 1 || (topk_idx.stride(1) == 1 && result_rows.stride(1) == 1),
+          "moe_dispatch_layout: rows must be contiguous");
+  const int64_t lx = num_experts / ranks;
+  std::vector<int64_t> count(num_experts, 0);
+  for (int64_t r = 0; r < t; ++r)
+    for (int64_t j = 0; j < k; ++j) {
+      const int64_t e = topk_idx.data()[r * topk_idx.stride(0) + j];
+      require(e >= -1 && e < num_experts, "moe_dispatch_layout: expert id " + std::to_string(e) + " outside [-1, " +
+                                              std::to_string(num_experts) + ")");
+      if (e >= 0) ++count[e];
+    }
+  // payload row of the first pair of each expert: after the headers of its rank and of every rank before it
+  std::vector<int64_t> next(num_experts);
+  int64_t row = 0, n = 0;
+  for (int64_t d = 0; d < ranks; ++d) {
+    int64_t pairs = 0;
+    for (int64_t e = d * lx; e < (d + 1) * lx; ++e) pairs += count[e];
+    require(pairs <= cap, "moe_dispatch_layout: " + std::to_string(pairs) + " pairs for rank " + std::to_string(d) +
+                              " exceed its capacity " + std::to_string(cap));
+    per_dst.data()[d] = pairs;
+    source.data()[row] = 0;
+    tags.data()[row] = pairs;
+    ++row;
+    for (int64_t e = d * lx; e < (d + 1) * lx; ++e) {
+      next[e] = row;
+      row += count[e];
+    }
+    n += pairs;
+  }
+  std::vector<int64_t> block_start(ranks);  // payload row of each rank's header
+  for (int64_t d = 0, at = 0; d < ranks; ++d) {
+    block_start[d] = at;
+    at += per_dst.data()[d] + 1;
+  }
+  for (int64_t r = 0; r < t; ++r)
+    for (int64_t j = 0; j < k; ++j) {
+      const int64_t e = topk_idx.data()[r * topk_idx.stride(0) + j];
+      int64_t* out = result_rows.data() + r * result_rows.stride(0) + j;
+      if (e < 0) {
+        *out = -1;
+        continue;
+      }
+      const int64_t d = e / lx, at = next[e]++;
+      source.data()[at] = r;
+      tags.data()[at] = e - d * lx;
+      *out = d * cap + (at - block_start[d] - 1);
+    }
+  return n;
+}
+
+// Padded grouping of received tokens for the experts' batched GEMMs: local [N] (each token's local expert) ->
+// slot [N] (the token's row in the [E, width] padded batch: tokens of an expert in arrival order) and padded_rows
+// [>= E * width] (rows[i] at slot[i], 0 in the padding). Returns width = the largest count.
+int64_t expert_padding(I64<1> rows, I64<1> local, int64_t num_experts, I64<1> slot, I64<1> padded_rows) {
+  const int64_t n = local.shape(0);
+  require(static_cast<int64_t>(rows.shape(0)) == n && static_cast<int64_t>(slot.shape(0)) == n,
+          "expert_padding: rows, local and slot must have the same length");
+  std::vector<int64_t> count(num_experts, 0);
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t e = local.data()[i * local.stride(0)];
+    require(e >= 0 && e < num_experts, "expert_padding: local expert " + std::to_string(e) + " outside [0, " +
+                                           std::to_string(num_experts) + ")");
+    ++count[e];
+  }
+  const int64_t width = n ? *std::max_element(count.begin(), count.end()) : 0;
+  require(static_cast<int64_t>(padded_rows.shape(0)) >= num_experts * width,
+          "expert_padding: padded_rows holds fewer than experts x width rows");
+  std::fill(padded_rows.data(), padded_rows.data() + num_experts * width, 0);
+  std::fill(count.begin(), count.end(), 0);
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t e = local.data()[i * local.stride(0)];
+    const int64_t at = e * width + count[e]++;
+    slot.data()[i] = at;
+    padded_rows.data()[at] = rows.data()[i * rows.stride(0)];
+  }
+  return width;
+}
+
 }  // namespace
 
 NB_MODULE(_cpu_kernels, m) {
@@ -278,6 +372,10 @@ NB_MODULE(_cpu_kernels, m) {
   m.def("silu_mul", &silu_mul, nb::arg("gate_up"), nb::arg("out"));
   m.def("moe_gate_topk", &moe_gate_topk, nb::arg("logits"), nb::arg("bias"), nb::arg("n_group"),
         nb::arg("topk_group"), nb::arg("normalize"), nb::arg("scale"), nb::arg("topk_idx"), nb::arg("topk_w"));
+  m.def("moe_dispatch_layout", &moe_dispatch_layout, nb::arg("topk_idx"), nb::arg("num_experts"), nb::arg("ranks"),
+        nb::arg("cap"), nb::arg("source"), nb::arg("tags"), nb::arg("per_dst"), nb::arg("result_rows"));
+  m.def("expert_padding", &expert_padding, nb::arg("rows"), nb::arg("local"), nb::arg("num_experts"),
+        nb::arg("slot"), nb::arg("padded_rows"));
   m.def("weighted_combine", &weighted_combine, nb::arg("y"), nb::arg("rows"), nb::arg("weights"), nb::arg("base"),
         nb::arg("out"));
 }
