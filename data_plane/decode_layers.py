@@ -263,7 +263,9 @@ def _rotated(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
     [T, ..., 2, half] (x1' then x2'), a strided view of the complex product."""
     pairs = x.unflatten(-1, (x.shape[-1] // 2, 2))
     if pairs.storage_offset() % 2 or pairs.stride(-2) != 2 or any(s % 2 for s in pairs.stride()[:-2]):
-        pairs = pairs.contiguous()  # view_as_complex needs whole complex numbers
+        # view_as_complex needs whole complex numbers; a one-row view at an odd offset already counts as
+        # contiguous, so copy it into fresh storage
+        pairs = pairs.clone(memory_format=torch.contiguous_format)
     return torch.view_as_real(torch.view_as_complex(pairs) * freqs).transpose(-1, -2)
 
 

@@ -40,7 +40,9 @@ GREEDY = SamplingParams(max_tokens=64, temperature=0.0)
 # max |graph - eager| / max |eager|, per logits row and per KV pool. Not 0: padding changes GEMM batch sizes, and
 # CPU BLAS rounds a 1-row product (gemv) differently from the same row inside a larger batch; an instance with one
 # request runs every product of the eager path as gemv (seen up to 1.1e-6 on these plans), the padded one never.
-RTOL = 2e-6
+# The eager path's fused CPU kernels (norms, SwiGLU, the weighted combine) also sum in another order than the graph
+# path's torch ops (seen up to 2.0e-6). The bound is the issue's: fp32 logits within 1e-5 relative.
+RTOL = 1e-5
 
 
 @pytest.fixture(scope="module", autouse=True)

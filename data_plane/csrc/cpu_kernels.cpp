@@ -28,9 +28,11 @@ using F32 = nb::ndarray<float, nb::ndim<N>, nb::device::cpu>;
 template <int N>
 using I64 = nb::ndarray<int64_t, nb::ndim<N>, nb::device::cpu>;
 
+// Rows may be strided; within a row the values must be contiguous (an empty array passes: numpy gives it
+// arbitrary strides). A 1-D vector must be contiguous.
 template <typename A>
 void require_rows(const A& a, const char* name) {
-  if (a.stride(a.ndim() - 1) != 1 && a.shape(a.ndim() - 1) > 1)
+  if (a.size() > 0 && a.stride(a.ndim() - 1) != 1 && a.shape(a.ndim() - 1) > 1)
     throw std::invalid_argument(std::string(name) + ": the last dimension must be contiguous");
 }
 
@@ -98,12 +100,14 @@ inline void rotate_row(const float* x, const float* cs, float* y, int64_t half) 
 // x [T, D] -> out [T, D] (RMSNorm with weight w [D]).
 void rms_norm(F32<2> x, F32<1> w, float eps, F32<2> out) {
   require_rows(x, "x");
+  require_rows(w, "weight");
   require_rows(out, "out");
   const int64_t t = x.shape(0), d = x.shape(1);
   require(w.shape(0) == static_cast<size_t>(d) && out.shape(0) == x.shape(0) && out.shape(1) == x.shape(1),
           "rms_norm: x " + shape_of(x.shape(0), x.shape(1)) + ", weight [" + std::to_string(w.shape(0)) +
               "] and out " + shape_of(out.shape(0), out.shape(1)) + " disagree");
-  for (int64_t r = 0; r < t; ++r) rms_norm_row(x.data() + r * x.stride(0), w.data(), eps, out.data() + r * out.stride(0), d);
+  for (int64_t r = 0; r < t; ++r)
+    rms_norm_row(x.data() + r * x.stride(0), w.data(), eps, out.data() + r * out.stride(0), d);
 }
 
 // The step between MLA's two down-projection GEMMs. qkv [T, q_lora + lora + rope] (q_lora may be 0) ->
@@ -113,6 +117,10 @@ void rms_norm(F32<2> x, F32<1> w, float eps, F32<2> out) {
 void mla_qkv_post(F32<2> qkv, F32<1> q_norm, F32<1> kv_norm, float eps, F32<3> rope_cs, F32<2> q_out,
                   F32<2> kv_out) {
   require_rows(qkv, "qkv");
+  require_rows(q_norm, "q_norm");
+  require_rows(kv_norm, "kv_norm");
+  require_rows(q_out, "q_out");
+  require_rows(kv_out, "kv_out");
   const int64_t t = qkv.shape(0), q_lora = q_out.shape(1), lora = kv_norm.shape(0);
   const int64_t half = rope_cs.shape(1), rope = 2 * half;
   require(static_cast<int64_t>(qkv.shape(1)) == q_lora + lora + rope,
@@ -124,7 +132,8 @@ void mla_qkv_post(F32<2> qkv, F32<1> q_norm, F32<1> kv_norm, float eps, F32<3> r
           "mla_qkv_post: kv_out must be " + shape_of(t, lora + rope));
   require(static_cast<int64_t>(q_out.shape(0)) == t && static_cast<int64_t>(q_norm.shape(0)) == q_lora,
           "mla_qkv_post: q_out must be [T, q_lora] and q_norm [q_lora]");
-  require(rope_cs.stride(2) == 1 && rope_cs.stride(1) == 2, "mla_qkv_post: rope_cs rows must be contiguous");
+  require(t == 0 || (rope_cs.stride(2) == 1 && rope_cs.stride(1) == 2),
+          "mla_qkv_post: rope_cs rows must be contiguous");
   for (int64_t r = 0; r < t; ++r) {
     const float* row = qkv.data() + r * qkv.stride(0);
     if (q_lora) rms_norm_row(row, q_norm.data(), eps, q_out.data() + r * q_out.stride(0), q_lora);
@@ -139,7 +148,7 @@ void rope_heads_(F32<3> q, int64_t offset, F32<3> rope_cs) {
   require_rows(q, "q");
   const int64_t t = q.shape(0), heads = q.shape(1), half = rope_cs.shape(1);
   require(static_cast<int64_t>(rope_cs.shape(0)) == t && rope_cs.shape(2) == 2 && half <= 128 &&
-              rope_cs.stride(2) == 1 && rope_cs.stride(1) == 2,
+              (t == 0 || (rope_cs.stride(2) == 1 && rope_cs.stride(1) == 2)),
           "rope_heads_: rope_cs must be contiguous [T, rope / 2, 2] with rope <= 256");
   require(offset >= 0 && offset + 2 * half <= static_cast<int64_t>(q.shape(2)),
           "rope_heads_: the rope dims do not fit the rows of q");
@@ -175,6 +184,7 @@ void silu_mul(F32<2> gate_up, F32<2> out) {
 void moe_gate_topk(F32<2> logits, F32<1> bias, int64_t n_group, int64_t topk_group, bool normalize, float scale,
                    I64<2> topk_idx, F32<2> topk_w) {
   require_rows(logits, "logits");
+  require_rows(bias, "bias");
   const int64_t t = logits.shape(0), e = logits.shape(1), k = topk_idx.shape(1);
   require(static_cast<int64_t>(bias.shape(0)) == e, "moe_gate_topk: bias must have one value per expert");
   require(n_group >= 1 && e % n_group == 0 && topk_group >= 1 && topk_group <= n_group,
@@ -240,6 +250,8 @@ void moe_gate_topk(F32<2> logits, F32<1> bias, int64_t n_group, int64_t topk_gro
 // base may be out (in place).
 void weighted_combine(F32<2> y, I64<2> rows, F32<2> weights, F32<2> base, F32<2> out) {
   require_rows(y, "y");
+  require_rows(base, "base");
+  require_rows(out, "out");
   const int64_t t = rows.shape(0), k = rows.shape(1), d = y.shape(1), n = y.shape(0);
   require(weights.shape(0) == rows.shape(0) && weights.shape(1) == rows.shape(1),
           "weighted_combine: weights must be shaped like rows " + shape_of(t, k));
@@ -363,19 +375,22 @@ int64_t expert_padding(I64<1> rows, I64<1> local, int64_t num_experts, I64<1> sl
 
 }  // namespace
 
+// Every array argument is noconvert: a wrong dtype is a TypeError, never a converted temporary copy (whose
+// results, for the arrays a kernel writes, would be lost).
 NB_MODULE(_cpu_kernels, m) {
   m.doc() = "nanocp fused fp32 CPU kernels of the eager decode path (tests compare each with its torch reference)";
-  m.def("rms_norm", &rms_norm, nb::arg("x"), nb::arg("weight"), nb::arg("eps"), nb::arg("out"));
-  m.def("mla_qkv_post", &mla_qkv_post, nb::arg("qkv"), nb::arg("q_norm"), nb::arg("kv_norm"), nb::arg("eps"),
-        nb::arg("rope_cs"), nb::arg("q_out"), nb::arg("kv_out"));
-  m.def("rope_heads_", &rope_heads_, nb::arg("q"), nb::arg("offset"), nb::arg("rope_cs"));
-  m.def("silu_mul", &silu_mul, nb::arg("gate_up"), nb::arg("out"));
-  m.def("moe_gate_topk", &moe_gate_topk, nb::arg("logits"), nb::arg("bias"), nb::arg("n_group"),
-        nb::arg("topk_group"), nb::arg("normalize"), nb::arg("scale"), nb::arg("topk_idx"), nb::arg("topk_w"));
-  m.def("moe_dispatch_layout", &moe_dispatch_layout, nb::arg("topk_idx"), nb::arg("num_experts"), nb::arg("ranks"),
-        nb::arg("cap"), nb::arg("source"), nb::arg("tags"), nb::arg("per_dst"), nb::arg("result_rows"));
-  m.def("expert_padding", &expert_padding, nb::arg("rows"), nb::arg("local"), nb::arg("num_experts"),
-        nb::arg("slot"), nb::arg("padded_rows"));
-  m.def("weighted_combine", &weighted_combine, nb::arg("y"), nb::arg("rows"), nb::arg("weights"), nb::arg("base"),
-        nb::arg("out"));
+  auto array = [](const char* name) { return nb::arg(name).noconvert(); };
+  m.def("rms_norm", &rms_norm, array("x"), array("weight"), nb::arg("eps"), array("out"));
+  m.def("mla_qkv_post", &mla_qkv_post, array("qkv"), array("q_norm"), array("kv_norm"), nb::arg("eps"),
+        array("rope_cs"), array("q_out"), array("kv_out"));
+  m.def("rope_heads_", &rope_heads_, array("q"), nb::arg("offset"), array("rope_cs"));
+  m.def("silu_mul", &silu_mul, array("gate_up"), array("out"));
+  m.def("moe_gate_topk", &moe_gate_topk, array("logits"), array("bias"), nb::arg("n_group"), nb::arg("topk_group"),
+        nb::arg("normalize"), nb::arg("scale"), array("topk_idx"), array("topk_w"));
+  m.def("moe_dispatch_layout", &moe_dispatch_layout, array("topk_idx"), nb::arg("num_experts"), nb::arg("ranks"),
+        nb::arg("cap"), array("source"), array("tags"), array("per_dst"), array("result_rows"));
+  m.def("expert_padding", &expert_padding, array("rows"), array("local"), nb::arg("num_experts"), array("slot"),
+        array("padded_rows"));
+  m.def("weighted_combine", &weighted_combine, array("y"), array("rows"), array("weights"), array("base"),
+        array("out"));
 }
