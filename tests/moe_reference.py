@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -49,3 +51,16 @@ def reference_combine(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> to
         valid = idx[:, k] >= 0
         out[valid] += w[valid, k, None].float() * expert_fn(x[valid], idx[valid, k]).float()
     return out.to(x.dtype)
+
+
+def gate_config(base, experts: int, n_group: int, topk_group: int, top_k: int, normalize: bool, scale: float):
+    """`base` (a ModelConfig) with another MoE gate: experts, grouping, top-k, normalisation, scaling."""
+    return dataclasses.replace(
+        base,
+        n_routed_experts=experts,
+        n_group=n_group,
+        topk_group=topk_group,
+        num_experts_per_tok=top_k,
+        norm_topk_prob=normalize,
+        routed_scaling_factor=scale,
+    )

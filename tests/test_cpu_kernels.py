@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from moe_reference import gate_config
 
 from nanocp.data_plane import cpu_kernels
 from nanocp.data_plane import decode_layers as dl
@@ -166,15 +167,7 @@ def test_moe_gate_topk_equals_the_torch_gate(shape, tokens, normalize, scale, ex
     gen = torch.Generator().manual_seed(seed)
     logits = wide_slice(gen, tokens, experts, extra) * 2.0  # [T, E] before the sigmoid
     bias = randn(gen, experts, scale=0.05)
-    config = dataclasses.replace(
-        TINY,
-        n_routed_experts=experts,
-        n_group=n_group,
-        topk_group=topk_group,
-        num_experts_per_tok=top_k,
-        norm_topk_prob=normalize,
-        routed_scaling_factor=scale,
-    )
+    config = gate_config(TINY, experts, n_group, topk_group, top_k, normalize, scale)
     idx, weights = cpu_kernels.moe_gate_topk(logits, bias, n_group, topk_group, top_k, normalize, scale)
     # the torch branch on x = logits and an identity gate: its GEMM reproduces the logits exactly
     layer = SimpleNamespace(gate=torch.eye(experts), gate_bias=bias)

@@ -13,7 +13,6 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from nanocp.data_plane import cpu_kernels
 from nanocp.data_plane import decode_layers as dl
 from nanocp.data_plane.backends.cpu_attention import CpuPagedAttention, fused_attention_unavailable_reason
 from nanocp.models import (
@@ -40,14 +39,7 @@ CONFIGS = {
 }
 
 
-@pytest.fixture(autouse=True, params=["cpu-kernels", "torch"])
-def decode_path(request):
-    """Every test runs on both paths: the fused CPU kernels (where built) and the torch formulation."""
-    if request.param == "cpu-kernels" and cpu_kernels.unavailable_reason() is not None:
-        pytest.skip(cpu_kernels.unavailable_reason())
-    previous = cpu_kernels.set_enabled(request.param == "cpu-kernels")
-    yield request.param
-    cpu_kernels.set_enabled(previous)
+pytestmark = pytest.mark.usefixtures("cpu_kernel_path")  # every test on both paths (tests/conftest.py)
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:

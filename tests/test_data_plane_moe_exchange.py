@@ -83,16 +83,6 @@ def test_packed_exchange_delivers_the_routing_and_combines_the_reference_combine
             torch.testing.assert_close(out, want, rtol=1e-6, atol=1e-6)
 
 
-@pytest.fixture(params=["cpu-kernels", "torch"])
-def exchange_path(request):
-    """The fused CPU kernels (where built) or the numpy / torch formulation for the layout and the combine."""
-    if request.param == "cpu-kernels" and cpu_kernels.unavailable_reason() is not None:
-        pytest.skip(cpu_kernels.unavailable_reason())
-    previous = cpu_kernels.set_enabled(request.param == "cpu-kernels")
-    yield request.param
-    cpu_kernels.set_enabled(previous)
-
-
 @exchange_settings
 @given(
     ranks=st.integers(1, 4),
@@ -119,7 +109,7 @@ def test_fused_dispatch_layout_equals_the_numpy_layout(ranks, experts_per_rank, 
             cpu_kernels.moe_dispatch_layout(idx, num_experts, ranks, 0)
 
 
-def test_packed_exchange_combines_alike_on_both_paths(exchange_path):
+def test_packed_exchange_combines_alike_on_both_paths(cpu_kernel_path):
     world, num_experts, max_tokens, k, hidden = 3, 6, 7, 3, 16
     gen = torch.Generator().manual_seed(11)
     xs, idxs, ws = random_routing([max_tokens] * world, hidden, k, num_experts, gen, 0.25)

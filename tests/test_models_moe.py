@@ -8,6 +8,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from moe_reference import gate_config
 
 from nanocp.models import (
     MoEWeights,
@@ -28,15 +29,7 @@ MOE_LAYER = MODEL.layers[CONFIG.first_k_dense_replace]
 def _gate_layer(n_experts, n_group, topk_group, k, norm, scaling, seed):
     """The tiny model's MoE layer with a different gate config and random gate weights / bias."""
     gen = torch.Generator().manual_seed(seed)
-    config = dataclasses.replace(
-        CONFIG,
-        n_routed_experts=n_experts,
-        n_group=n_group,
-        topk_group=topk_group,
-        num_experts_per_tok=k,
-        norm_topk_prob=norm,
-        routed_scaling_factor=scaling,
-    )
+    config = gate_config(CONFIG, n_experts, n_group, topk_group, k, norm, scaling)
     moe = MoEWeights(
         gate=torch.randn(n_experts, CONFIG.hidden_size, generator=gen) / CONFIG.hidden_size**0.5,
         e_score_correction_bias=0.3 * torch.randn(n_experts, generator=gen),
