@@ -153,6 +153,10 @@ def compare(hf, args, decode_instances: int, backend: str) -> list[dict]:
     return rows
 
 
+def threads(n: int) -> str:
+    return f"{n} torch thread{'s' if n > 1 else ''}"
+
+
 def table(rows: list[dict]) -> list[str]:
     lines = [
         "| batch | decode: nanocp tok/s | HF tok/s | ratio | end-to-end: nanocp tok/s | HF tok/s | ratio |",
@@ -221,7 +225,7 @@ def main(argv: list[str] | None = None) -> dict:
         "# Decode throughput: nanocp.LLM vs HF transformers generate (tiny model, CPU)",
         "",
         f"Command: `python -m nanocp.bench.bench_decode` ({args.decode_instances} decode instances, "
-        f"{args.backend} backend, HF with {cores_used(args.decode_instances, args.backend)} torch threads; "
+        f"{args.backend} backend, HF with {threads(cores_used(args.decode_instances, args.backend))}; "
         f"{args.prompt_len}-token prompts, {args.new_tokens} new tokens, greedy, median of {args.repeats} interleaved "
         "runs). Measured on this machine, not a model output. Decode tokens/s counts the tokens after each "
         "request's first over the time after the last first token; end-to-end counts every token over the whole "
@@ -233,7 +237,7 @@ def main(argv: list[str] | None = None) -> dict:
         lines += [
             "",
             f"Extra configuration, not the headline: {n} decode instance{'s' if n > 1 else ''} ({backend} backend), "
-            f"HF with {cores_used(n, backend)} torch threads, interleaved with its own HF runs:",
+            f"HF with {threads(cores_used(n, backend))}, interleaved with its own HF runs:",
             "",
             *table(extra_rows),
         ]
