@@ -150,3 +150,14 @@ def expert_padding(rows: np.ndarray, local: np.ndarray, num_experts: int) -> tup
     padded_rows = np.empty(num_experts * len(local), dtype=np.int64)
     width = _k.expert_padding(rows, local, num_experts, slot, padded_rows)
     return width, padded_rows[: num_experts * width], slot
+
+
+def mla_paged_attention(
+    q: torch.Tensor, kv_pages: torch.Tensor, block_table: torch.Tensor, lens: np.ndarray, scale: float, v_dim: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [S, H, Dqk], kv_pages [P, page, Dqk], block_table int32 [S, B], lens int64 [S] -> o [S, H, v_dim],
+    lse [S, H] (natural log; -inf and o = 0 for an empty shard), read straight from the pages."""
+    o, o_np = _empty(q.shape[0], q.shape[1], v_dim)
+    lse, lse_np = _empty(q.shape[0], q.shape[1])
+    _k.mla_paged_attention(_np(q), _np(kv_pages), _np(block_table), lens, scale, o_np, lse_np)
+    return o, lse

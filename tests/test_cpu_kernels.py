@@ -1,7 +1,8 @@
 """The fused fp32 CPU kernels (data_plane/cpu_kernels.py over data_plane/csrc/cpu_kernels.cpp) against their torch
 references on random shapes and inputs, strided rows included: RMSNorm (models.rms_norm), MLA's latent norms and
 rope (decode_layers.rotate_pairs), the query heads' in-place rope, SwiGLU, the MoE gate's group-limited top-k (the
-torch branch of decode_layers.moe_gate: equal indices) and the weighted combine; and the errors on bad input."""
+torch branch of decode_layers.moe_gate: equal indices), the weighted combine and the paged MLA attention
+(models.mla_paged_attention_with_lse); and the errors on bad input."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from moe_reference import gate_config
 
 from nanocp.data_plane import cpu_kernels
 from nanocp.data_plane import decode_layers as dl
-from nanocp.models import ModelConfig, RotaryEmbedding, rms_norm
+from nanocp.models import ModelConfig, RotaryEmbedding, mla_paged_attention_with_lse, rms_norm
 
 pytestmark = pytest.mark.skipif(
     cpu_kernels._k is None, reason="the extension nanocp.data_plane._cpu_kernels is not built"
@@ -205,7 +206,47 @@ def test_weighted_combine_equals_the_weighted_sum(tokens, top_k, sources, dim, e
     assert float(((got.double() - want).abs() / bound.max()).max()) <= TOL
 
 
+@settings(max_examples=25, deadline=None)
+@given(
+    shards=st.integers(0, 6),
+    heads=st.integers(1, 5),
+    dqk=st.sampled_from([8, 17, 80, 96]),
+    page=st.sampled_from([1, 4, 16]),
+    blocks=st.integers(1, 5),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_mla_paged_attention_equals_the_reference(shards, heads, dqk, page, blocks, seed):
+    """Random pages, random block tables (pages shared between shards too), lengths 0..B * page."""
+    gen = torch.Generator().manual_seed(seed)
+    pages = 2 * blocks + 3
+    kv_pages = randn(gen, pages, page, dqk)
+    block_table = torch.randint(0, pages, (shards, blocks), generator=gen, dtype=torch.int32)
+    lens = torch.randint(0, blocks * page + 1, (shards,), generator=gen)
+    q = randn(gen, shards, heads, dqk)
+    v_dim = max(1, dqk - 5)
+    o, lse = cpu_kernels.mla_paged_attention(q, kv_pages, block_table, lens.numpy(), 0.3, v_dim)
+    o_ref, lse_ref = mla_paged_attention_with_lse(q, kv_pages, block_table, lens, 0.3, v_dim)
+    torch.testing.assert_close(o, o_ref.float(), rtol=1e-5, atol=1e-6)
+    finite = lens > 0
+    torch.testing.assert_close(lse[finite], lse_ref[finite].float(), rtol=1e-6, atol=1e-6)
+    assert bool((lse[~finite] == float("-inf")).all()) and bool((o[~finite] == 0).all())
+
+
 # ---- bad input ---------------------------------------------------------------------------------------------------
+
+
+def test_mla_paged_attention_rejects_bad_tables():
+    gen = torch.Generator().manual_seed(12)
+    kv_pages, q = randn(gen, 3, 4, 8), randn(gen, 2, 2, 8)
+    table, lens = torch.tensor([[0, 1], [2, 0]], dtype=torch.int32), np.array([5, 8])
+    with pytest.raises(ValueError, match="page 3 outside the pool's 3"):
+        cpu_kernels.mla_paged_attention(q, kv_pages, torch.tensor([[0, 3], [2, 0]], dtype=torch.int32), lens, 1.0, 8)
+    with pytest.raises(ValueError, match=r"shard length 9 outside \[0, 8\]"):
+        cpu_kernels.mla_paged_attention(q, kv_pages, table, np.array([5, 9]), 1.0, 8)
+    with pytest.raises(ValueError, match="as wide as the queries"):
+        cpu_kernels.mla_paged_attention(q, randn(gen, 3, 4, 9), table, lens, 1.0, 8)
+    with pytest.raises(TypeError):
+        cpu_kernels.mla_paged_attention(q, kv_pages, table.long(), lens, 1.0, 8)
 
 
 def test_rms_norm_rejects_bad_shapes_and_strides():

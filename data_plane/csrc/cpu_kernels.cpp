@@ -27,6 +27,8 @@ template <int N>
 using F32 = nb::ndarray<float, nb::ndim<N>, nb::device::cpu>;
 template <int N>
 using I64 = nb::ndarray<int64_t, nb::ndim<N>, nb::device::cpu>;
+template <int N>
+using I32 = nb::ndarray<int32_t, nb::ndim<N>, nb::device::cpu>;
 
 // Rows may be strided; within a row the values must be contiguous (an empty array passes: numpy gives it
 // arbitrary strides). A 1-D vector must be contiguous.
@@ -373,6 +375,98 @@ int64_t expert_padding(I64<1> rows, I64<1> local, int64_t num_experts, I64<1> sl
   return width;
 }
 
+// ---- shard attention -----------------------------------------------------------------------------------------
+
+// sum of a[i] * b[i] over n values, in kLanes interleaved partial sums.
+inline float dot(const float* a, const float* b, int64_t n) {
+  float lane[kLanes] = {};
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes)
+    for (int j = 0; j < kLanes; ++j) lane[j] += a[i + j] * b[i + j];
+  float s = 0.0f;
+  for (; i < n; ++i) s += a[i] * b[i];
+  for (int j = 0; j < kLanes; ++j) s += lane[j];
+  return s;
+}
+
+// MLA decode attention of each shard over its pages, straight from the paged pool (no gather): the H query heads
+// of shard s attend over its lens[s] latent rows, one KV head shared by all (k = the whole row, v = its first
+// v_dim values). q [S, H, Dqk], kv_pages [P, page, Dqk], block_table [S, B] (page ids), lens [S] ->
+// o [S, H, v_dim] and lse [S, H] (natural log of the softmax denominator of the scaled scores); an empty shard gives
+// o = 0 and lse = -inf. The contract of models.mla_paged_attention_with_lse.
+void mla_paged_attention(F32<3> q, F32<3> kv_pages, I32<2> block_table, I64<1> lens, float scale, F32<3> o,
+                         F32<2> lse) {
+  require_rows(q, "q");
+  const int64_t row_width = kv_pages.shape(2), page_width = kv_pages.shape(1) * kv_pages.shape(2);
+  const bool pool_contiguous =
+      kv_pages.stride(2) == 1 && kv_pages.stride(1) == row_width && kv_pages.stride(0) == page_width;
+  require(kv_pages.size() == 0 || pool_contiguous, "mla_paged_attention: kv_pages must be contiguous");
+  const int64_t shards = q.shape(0), heads = q.shape(1), dqk = q.shape(2), v_dim = o.shape(2);
+  const int64_t pages = kv_pages.shape(0), page = kv_pages.shape(1), blocks = block_table.shape(1);
+  require(static_cast<int64_t>(kv_pages.shape(2)) == dqk && v_dim <= dqk,
+          "mla_paged_attention: kv rows must be as wide as the queries (" + std::to_string(dqk) +
+              ") and v_dim <= that");
+  require(static_cast<int64_t>(block_table.shape(0)) == shards && static_cast<int64_t>(lens.shape(0)) == shards &&
+              o.shape(0) == q.shape(0) && o.shape(1) == q.shape(1) && lse.shape(0) == q.shape(0) &&
+              lse.shape(1) == q.shape(1),
+          "mla_paged_attention: q [S, H, Dqk], block_table [S, B], lens [S], o [S, H, v_dim], lse [S, H] disagree");
+  require_rows(o, "o");
+  require_rows(lse, "lse");
+  require(shards == 0 || blocks == 0 || block_table.stride(1) == 1,
+          "mla_paged_attention: block_table rows must be contiguous");
+  int64_t longest = 0;
+  for (int64_t s = 0; s < shards; ++s) {
+    const int64_t len = lens.data()[s * lens.stride(0)];
+    require(len >= 0 && len <= blocks * page, "mla_paged_attention: shard length " + std::to_string(len) +
+                                                  " outside [0, " + std::to_string(blocks * page) + "]");
+    const int32_t* table = block_table.data() + s * block_table.stride(0);
+    for (int64_t b = 0; b < (len + page - 1) / page; ++b)
+      require(table[b] >= 0 && table[b] < pages, "mla_paged_attention: page " + std::to_string(table[b]) +
+                                                     " outside the pool's " + std::to_string(pages));
+    longest = std::max(longest, len);
+  }
+  std::vector<float> score(heads * std::max<int64_t>(longest, 1));  // [H, L]: scaled scores, then weights
+  std::vector<float> acc(v_dim);
+  for (int64_t s = 0; s < shards; ++s) {
+    const int64_t len = lens.data()[s * lens.stride(0)];
+    const int32_t* table = block_table.data() + s * block_table.stride(0);
+    auto row = [&](int64_t t) {  // the latent row of the shard's token t
+      return kv_pages.data() + (static_cast<int64_t>(table[t / page]) * page + t % page) * dqk;
+    };
+    for (int64_t t = 0; t < len; ++t) {
+      const float* k = row(t);
+      for (int64_t h = 0; h < heads; ++h)
+        score[h * len + t] = scale * dot(q.data() + s * q.stride(0) + h * q.stride(1), k, dqk);
+    }
+    for (int64_t h = 0; h < heads; ++h) {
+      float* out = o.data() + s * o.stride(0) + h * o.stride(1);
+      float* l = lse.data() + s * lse.stride(0) + h * lse.stride(1);
+      if (len == 0) {
+        std::fill(out, out + v_dim, 0.0f);
+        *l = -INFINITY;
+        continue;
+      }
+      float* w = score.data() + h * len;
+      float top = w[0];
+      for (int64_t t = 1; t < len; ++t) top = std::max(top, w[t]);
+      float sum = 0.0f;
+      for (int64_t t = 0; t < len; ++t) {
+        w[t] = fast_exp(w[t] - top);
+        sum += w[t];
+      }
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      for (int64_t t = 0; t < len; ++t) {
+        const float* v = row(t);
+        const float wt = w[t];
+        for (int64_t i = 0; i < v_dim; ++i) acc[i] += wt * v[i];
+      }
+      const float inv = 1.0f / sum;
+      for (int64_t i = 0; i < v_dim; ++i) out[i] = acc[i] * inv;
+      *l = top + std::log(sum);
+    }
+  }
+}
+
 }  // namespace
 
 // Every array argument is noconvert: a wrong dtype is a TypeError, never a converted temporary copy (whose
@@ -391,6 +485,8 @@ NB_MODULE(_cpu_kernels, m) {
         nb::arg("cap"), array("source"), array("tags"), array("per_dst"), array("result_rows"));
   m.def("expert_padding", &expert_padding, array("rows"), array("local"), nb::arg("num_experts"), array("slot"),
         array("padded_rows"));
+  m.def("mla_paged_attention", &mla_paged_attention, array("q"), array("kv_pages"), array("block_table"),
+        array("lens"), nb::arg("scale"), array("o"), array("lse"));
   m.def("weighted_combine", &weighted_combine, array("y"), array("rows"), array("weights"), array("base"),
         array("out"));
 }
