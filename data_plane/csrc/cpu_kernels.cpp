@@ -38,31 +38,54 @@ void require_rows(const A& a, const char* name) {
     throw std::invalid_argument(std::string(name) + ": the last dimension must be contiguous");
 }
 
-void require(bool ok, const std::string& what) {
-  if (!ok) throw std::invalid_argument(what);
-}
+// A check whose message is only built when it fails (checks run inside loops over rows and pairs).
+#define REQUIRE(ok, message)                                  \
+  do {                                                        \
+    if (!(ok)) throw std::invalid_argument(message);          \
+  } while (0)
 
 std::string shape_of(size_t a, size_t b) { return "[" + std::to_string(a) + ", " + std::to_string(b) + "]"; }
 
-constexpr int kLanes = 16;  // partial sums per reduction: one AVX-512 register (the compiler vectorizes the lanes)
+// 16 fp32 lanes (one AVX-512 register, two AVX2 ones): the reductions below use them explicitly, because without
+// -ffast-math the compiler keeps a float sum in order and does not vectorize it.
+typedef float Lanes __attribute__((vector_size(64)));
+constexpr int64_t kLanes = 16;
 
-// sum of x[i]^2 over n values, in kLanes interleaved partial sums.
-inline float sum_squares(const float* x, int64_t n) {
-  float lane[kLanes] = {};
-  int64_t i = 0;
-  for (; i + kLanes <= n; i += kLanes)
-    for (int j = 0; j < kLanes; ++j) lane[j] += x[i + j] * x[i + j];
-  float ss = 0.0f;
-  for (; i < n; ++i) ss += x[i] * x[i];
-  for (int j = 0; j < kLanes; ++j) ss += lane[j];
-  return ss;
+inline Lanes load_lanes(const float* p) {
+  Lanes v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
 }
+
+typedef float HalfLanes __attribute__((vector_size(32)));
+typedef float QuarterLanes __attribute__((vector_size(16)));
+
+// The lanes added up as a tree (halves, quarters, pairs): a chain of 4 dependent adds instead of 16.
+inline float lane_sum(Lanes v) {
+  const HalfLanes h = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+                      __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+  const QuarterLanes q = __builtin_shufflevector(h, h, 0, 1, 2, 3) + __builtin_shufflevector(h, h, 4, 5, 6, 7);
+  return (q[0] + q[2]) + (q[1] + q[3]);
+}
+
+// sum of a[i] * b[i] over n values.
+inline float dot(const float* a, const float* b, int64_t n) {
+  Lanes acc = {};
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) acc += load_lanes(a + i) * load_lanes(b + i);
+  float s = lane_sum(acc);
+  for (; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
+// sum of x[i]^2 over n values.
+inline float sum_squares(const float* x, int64_t n) { return dot(x, x, n); }
 
 // e^x in fp32 (within 2 ulp of std::exp over the finite range; inputs are clamped to it) as plain arithmetic, so
 // loops calling it vectorize: e^x = 2^n * e^r with n = round(x / ln 2), |r| <= ln 2 / 2, e^r a degree-6 polynomial.
 inline float fast_exp(float x) {
   x = std::min(std::max(x, -87.0f), 88.0f);
-  const float n = std::nearbyint(x * 1.44269504088896341f);
+  const float n = std::nearbyint(x * 1.44269504088896341f);  // inlines as a vector round (floor would not, with trapping math)
   const float r = (x - n * 0.693359375f) + n * 2.12194440e-4f;  // ln 2 in two parts: r is exact to fp32
   float p = 1.0f / 720.0f;
   p = p * r + 1.0f / 120.0f;
@@ -105,7 +128,7 @@ void rms_norm(F32<2> x, F32<1> w, float eps, F32<2> out) {
   require_rows(w, "weight");
   require_rows(out, "out");
   const int64_t t = x.shape(0), d = x.shape(1);
-  require(w.shape(0) == static_cast<size_t>(d) && out.shape(0) == x.shape(0) && out.shape(1) == x.shape(1),
+  REQUIRE(w.shape(0) == static_cast<size_t>(d) && out.shape(0) == x.shape(0) && out.shape(1) == x.shape(1),
           "rms_norm: x " + shape_of(x.shape(0), x.shape(1)) + ", weight [" + std::to_string(w.shape(0)) +
               "] and out " + shape_of(out.shape(0), out.shape(1)) + " disagree");
   for (int64_t r = 0; r < t; ++r)
@@ -125,16 +148,16 @@ void mla_qkv_post(F32<2> qkv, F32<1> q_norm, F32<1> kv_norm, float eps, F32<3> r
   require_rows(kv_out, "kv_out");
   const int64_t t = qkv.shape(0), q_lora = q_out.shape(1), lora = kv_norm.shape(0);
   const int64_t half = rope_cs.shape(1), rope = 2 * half;
-  require(static_cast<int64_t>(qkv.shape(1)) == q_lora + lora + rope,
+  REQUIRE(static_cast<int64_t>(qkv.shape(1)) == q_lora + lora + rope,
           "mla_qkv_post: qkv has " + std::to_string(qkv.shape(1)) + " columns, expected q_lora + kv_lora + rope = " +
               std::to_string(q_lora + lora + rope));
-  require(static_cast<int64_t>(rope_cs.shape(0)) == t && rope_cs.shape(2) == 2 && half <= 128,
+  REQUIRE(static_cast<int64_t>(rope_cs.shape(0)) == t && rope_cs.shape(2) == 2 && half <= 128,
           "mla_qkv_post: rope_cs must be [T, rope / 2, 2] with rope <= 256");
-  require(static_cast<int64_t>(kv_out.shape(0)) == t && static_cast<int64_t>(kv_out.shape(1)) == lora + rope,
+  REQUIRE(static_cast<int64_t>(kv_out.shape(0)) == t && static_cast<int64_t>(kv_out.shape(1)) == lora + rope,
           "mla_qkv_post: kv_out must be " + shape_of(t, lora + rope));
-  require(static_cast<int64_t>(q_out.shape(0)) == t && static_cast<int64_t>(q_norm.shape(0)) == q_lora,
+  REQUIRE(static_cast<int64_t>(q_out.shape(0)) == t && static_cast<int64_t>(q_norm.shape(0)) == q_lora,
           "mla_qkv_post: q_out must be [T, q_lora] and q_norm [q_lora]");
-  require(t == 0 || (rope_cs.stride(2) == 1 && rope_cs.stride(1) == 2),
+  REQUIRE(t == 0 || (rope_cs.stride(2) == 1 && rope_cs.stride(1) == 2),
           "mla_qkv_post: rope_cs rows must be contiguous");
   for (int64_t r = 0; r < t; ++r) {
     const float* row = qkv.data() + r * qkv.stride(0);
@@ -149,10 +172,10 @@ void mla_qkv_post(F32<2> qkv, F32<1> q_norm, F32<1> kv_norm, float eps, F32<3> r
 void rope_heads_(F32<3> q, int64_t offset, F32<3> rope_cs) {
   require_rows(q, "q");
   const int64_t t = q.shape(0), heads = q.shape(1), half = rope_cs.shape(1);
-  require(static_cast<int64_t>(rope_cs.shape(0)) == t && rope_cs.shape(2) == 2 && half <= 128 &&
+  REQUIRE(static_cast<int64_t>(rope_cs.shape(0)) == t && rope_cs.shape(2) == 2 && half <= 128 &&
               (t == 0 || (rope_cs.stride(2) == 1 && rope_cs.stride(1) == 2)),
           "rope_heads_: rope_cs must be contiguous [T, rope / 2, 2] with rope <= 256");
-  require(offset >= 0 && offset + 2 * half <= static_cast<int64_t>(q.shape(2)),
+  REQUIRE(offset >= 0 && offset + 2 * half <= static_cast<int64_t>(q.shape(2)),
           "rope_heads_: the rope dims do not fit the rows of q");
   for (int64_t r = 0; r < t; ++r)
     for (int64_t h = 0; h < heads; ++h) {
@@ -168,7 +191,7 @@ void silu_mul(F32<2> gate_up, F32<2> out) {
   require_rows(gate_up, "gate_up");
   require_rows(out, "out");
   const int64_t t = gate_up.shape(0), inter = out.shape(1);
-  require(static_cast<int64_t>(gate_up.shape(1)) == 2 * inter && out.shape(0) == gate_up.shape(0),
+  REQUIRE(static_cast<int64_t>(gate_up.shape(1)) == 2 * inter && out.shape(0) == gate_up.shape(0),
           "silu_mul: gate_up " + shape_of(gate_up.shape(0), gate_up.shape(1)) + " and out " +
               shape_of(out.shape(0), out.shape(1)) + " disagree");
   for (int64_t r = 0; r < t; ++r) {
@@ -188,14 +211,14 @@ void moe_gate_topk(F32<2> logits, F32<1> bias, int64_t n_group, int64_t topk_gro
   require_rows(logits, "logits");
   require_rows(bias, "bias");
   const int64_t t = logits.shape(0), e = logits.shape(1), k = topk_idx.shape(1);
-  require(static_cast<int64_t>(bias.shape(0)) == e, "moe_gate_topk: bias must have one value per expert");
-  require(n_group >= 1 && e % n_group == 0 && topk_group >= 1 && topk_group <= n_group,
+  REQUIRE(static_cast<int64_t>(bias.shape(0)) == e, "moe_gate_topk: bias must have one value per expert");
+  REQUIRE(n_group >= 1 && e % n_group == 0 && topk_group >= 1 && topk_group <= n_group,
           "moe_gate_topk: bad grouping (n_group " + std::to_string(n_group) + ", topk_group " +
               std::to_string(topk_group) + ", " + std::to_string(e) + " experts)");
   const int64_t per_group = e / n_group;
-  require(k >= 1 && k <= topk_group * per_group && (n_group == 1 || per_group >= 2),
+  REQUIRE(k >= 1 && k <= topk_group * per_group && (n_group == 1 || per_group >= 2),
           "moe_gate_topk: top-k " + std::to_string(k) + " does not fit the allowed groups");
-  require(static_cast<int64_t>(topk_idx.shape(0)) == t && topk_w.shape(0) == topk_idx.shape(0) &&
+  REQUIRE(static_cast<int64_t>(topk_idx.shape(0)) == t && topk_w.shape(0) == topk_idx.shape(0) &&
               topk_w.shape(1) == topk_idx.shape(1),
           "moe_gate_topk: topk_idx and topk_w must both be [T, k]");
   std::vector<float> scores(e), choice(e), group_score(n_group);
@@ -255,15 +278,15 @@ void weighted_combine(F32<2> y, I64<2> rows, F32<2> weights, F32<2> base, F32<2>
   require_rows(base, "base");
   require_rows(out, "out");
   const int64_t t = rows.shape(0), k = rows.shape(1), d = y.shape(1), n = y.shape(0);
-  require(weights.shape(0) == rows.shape(0) && weights.shape(1) == rows.shape(1),
+  REQUIRE(weights.shape(0) == rows.shape(0) && weights.shape(1) == rows.shape(1),
           "weighted_combine: weights must be shaped like rows " + shape_of(t, k));
-  require(static_cast<int64_t>(base.shape(0)) == t && static_cast<int64_t>(base.shape(1)) == d &&
+  REQUIRE(static_cast<int64_t>(base.shape(0)) == t && static_cast<int64_t>(base.shape(1)) == d &&
               out.shape(0) == base.shape(0) && out.shape(1) == base.shape(1),
           "weighted_combine: base and out must be " + shape_of(t, d));
   for (int64_t r = 0; r < t; ++r)
     for (int64_t j = 0; j < k; ++j) {
       const int64_t src = rows.data()[r * rows.stride(0) + j * rows.stride(1)];
-      require(src < n, "weighted_combine: row " + std::to_string(src) + " outside y's " + std::to_string(n));
+      REQUIRE(src < n, "weighted_combine: row " + std::to_string(src) + " outside y's " + std::to_string(n));
     }
   std::vector<float> acc(d);
   for (int64_t r = 0; r < t; ++r) {
@@ -292,19 +315,19 @@ void weighted_combine(F32<2> y, I64<2> rows, F32<2> weights, F32<2> base, F32<2>
 int64_t moe_dispatch_layout(I64<2> topk_idx, int64_t num_experts, int64_t ranks, int64_t cap, I64<1> source,
                             I64<1> tags, I64<1> per_dst, I64<2> result_rows) {
   const int64_t t = topk_idx.shape(0), k = topk_idx.shape(1);
-  require(ranks >= 1 && num_experts % ranks == 0, "moe_dispatch_layout: experts must split evenly over the ranks");
-  require(static_cast<int64_t>(source.shape(0)) >= t * k + ranks && tags.shape(0) == source.shape(0) &&
+  REQUIRE(ranks >= 1 && num_experts % ranks == 0, "moe_dispatch_layout: experts must split evenly over the ranks");
+  REQUIRE(static_cast<int64_t>(source.shape(0)) >= t * k + ranks && tags.shape(0) == source.shape(0) &&
               static_cast<int64_t>(per_dst.shape(0)) == ranks && result_rows.shape(0) == topk_idx.shape(0) &&
               result_rows.shape(1) == topk_idx.shape(1),
           "moe_dispatch_layout: output buffers have the wrong shapes");
-  require(t == 0 || k == 1 || (topk_idx.stride(1) == 1 && result_rows.stride(1) == 1),
+  REQUIRE(t == 0 || k == 1 || (topk_idx.stride(1) == 1 && result_rows.stride(1) == 1),
           "moe_dispatch_layout: rows must be contiguous");
   const int64_t lx = num_experts / ranks;
   std::vector<int64_t> count(num_experts, 0);
   for (int64_t r = 0; r < t; ++r)
     for (int64_t j = 0; j < k; ++j) {
       const int64_t e = topk_idx.data()[r * topk_idx.stride(0) + j];
-      require(e >= -1 && e < num_experts, "moe_dispatch_layout: expert id " + std::to_string(e) + " outside [-1, " +
+      REQUIRE(e >= -1 && e < num_experts, "moe_dispatch_layout: expert id " + std::to_string(e) + " outside [-1, " +
                                               std::to_string(num_experts) + ")");
       if (e >= 0) ++count[e];
     }
@@ -314,7 +337,7 @@ int64_t moe_dispatch_layout(I64<2> topk_idx, int64_t num_experts, int64_t ranks,
   for (int64_t d = 0; d < ranks; ++d) {
     int64_t pairs = 0;
     for (int64_t e = d * lx; e < (d + 1) * lx; ++e) pairs += count[e];
-    require(pairs <= cap, "moe_dispatch_layout: " + std::to_string(pairs) + " pairs for rank " + std::to_string(d) +
+    REQUIRE(pairs <= cap, "moe_dispatch_layout: " + std::to_string(pairs) + " pairs for rank " + std::to_string(d) +
                               " exceed its capacity " + std::to_string(cap));
     per_dst.data()[d] = pairs;
     source.data()[row] = 0;
@@ -352,17 +375,17 @@ int64_t moe_dispatch_layout(I64<2> topk_idx, int64_t num_experts, int64_t ranks,
 // [>= E * width] (rows[i] at slot[i], 0 in the padding). Returns width = the largest count.
 int64_t expert_padding(I64<1> rows, I64<1> local, int64_t num_experts, I64<1> slot, I64<1> padded_rows) {
   const int64_t n = local.shape(0);
-  require(static_cast<int64_t>(rows.shape(0)) == n && static_cast<int64_t>(slot.shape(0)) == n,
+  REQUIRE(static_cast<int64_t>(rows.shape(0)) == n && static_cast<int64_t>(slot.shape(0)) == n,
           "expert_padding: rows, local and slot must have the same length");
   std::vector<int64_t> count(num_experts, 0);
   for (int64_t i = 0; i < n; ++i) {
     const int64_t e = local.data()[i * local.stride(0)];
-    require(e >= 0 && e < num_experts, "expert_padding: local expert " + std::to_string(e) + " outside [0, " +
+    REQUIRE(e >= 0 && e < num_experts, "expert_padding: local expert " + std::to_string(e) + " outside [0, " +
                                            std::to_string(num_experts) + ")");
     ++count[e];
   }
   const int64_t width = n ? *std::max_element(count.begin(), count.end()) : 0;
-  require(static_cast<int64_t>(padded_rows.shape(0)) >= num_experts * width,
+  REQUIRE(static_cast<int64_t>(padded_rows.shape(0)) >= num_experts * width,
           "expert_padding: padded_rows holds fewer than experts x width rows");
   std::fill(padded_rows.data(), padded_rows.data() + num_experts * width, 0);
   std::fill(count.begin(), count.end(), 0);
@@ -377,18 +400,6 @@ int64_t expert_padding(I64<1> rows, I64<1> local, int64_t num_experts, I64<1> sl
 
 // ---- shard attention -----------------------------------------------------------------------------------------
 
-// sum of a[i] * b[i] over n values, in kLanes interleaved partial sums.
-inline float dot(const float* a, const float* b, int64_t n) {
-  float lane[kLanes] = {};
-  int64_t i = 0;
-  for (; i + kLanes <= n; i += kLanes)
-    for (int j = 0; j < kLanes; ++j) lane[j] += a[i + j] * b[i + j];
-  float s = 0.0f;
-  for (; i < n; ++i) s += a[i] * b[i];
-  for (int j = 0; j < kLanes; ++j) s += lane[j];
-  return s;
-}
-
 // MLA decode attention of each shard over its pages, straight from the paged pool (no gather): the H query heads
 // of shard s attend over its lens[s] latent rows, one KV head shared by all (k = the whole row, v = its first
 // v_dim values). q [S, H, Dqk], kv_pages [P, page, Dqk], block_table [S, B] (page ids), lens [S] ->
@@ -400,49 +411,48 @@ void mla_paged_attention(F32<3> q, F32<3> kv_pages, I32<2> block_table, I64<1> l
   const int64_t row_width = kv_pages.shape(2), page_width = kv_pages.shape(1) * kv_pages.shape(2);
   const bool pool_contiguous =
       kv_pages.stride(2) == 1 && kv_pages.stride(1) == row_width && kv_pages.stride(0) == page_width;
-  require(kv_pages.size() == 0 || pool_contiguous, "mla_paged_attention: kv_pages must be contiguous");
+  REQUIRE(kv_pages.size() == 0 || pool_contiguous, "mla_paged_attention: kv_pages must be contiguous");
   const int64_t shards = q.shape(0), heads = q.shape(1), dqk = q.shape(2), v_dim = o.shape(2);
   const int64_t pages = kv_pages.shape(0), page = kv_pages.shape(1), blocks = block_table.shape(1);
-  require(static_cast<int64_t>(kv_pages.shape(2)) == dqk && v_dim <= dqk,
+  REQUIRE(static_cast<int64_t>(kv_pages.shape(2)) == dqk && v_dim <= dqk,
           "mla_paged_attention: kv rows must be as wide as the queries (" + std::to_string(dqk) +
               ") and v_dim <= that");
-  require(static_cast<int64_t>(block_table.shape(0)) == shards && static_cast<int64_t>(lens.shape(0)) == shards &&
+  REQUIRE(static_cast<int64_t>(block_table.shape(0)) == shards && static_cast<int64_t>(lens.shape(0)) == shards &&
               o.shape(0) == q.shape(0) && o.shape(1) == q.shape(1) && lse.shape(0) == q.shape(0) &&
               lse.shape(1) == q.shape(1),
           "mla_paged_attention: q [S, H, Dqk], block_table [S, B], lens [S], o [S, H, v_dim], lse [S, H] disagree");
   require_rows(o, "o");
   require_rows(lse, "lse");
-  require(shards == 0 || blocks == 0 || block_table.stride(1) == 1,
+  REQUIRE(shards == 0 || blocks == 0 || block_table.stride(1) == 1,
           "mla_paged_attention: block_table rows must be contiguous");
   int64_t longest = 0;
   for (int64_t s = 0; s < shards; ++s) {
     const int64_t len = lens.data()[s * lens.stride(0)];
-    require(len >= 0 && len <= blocks * page, "mla_paged_attention: shard length " + std::to_string(len) +
+    REQUIRE(len >= 0 && len <= blocks * page, "mla_paged_attention: shard length " + std::to_string(len) +
                                                   " outside [0, " + std::to_string(blocks * page) + "]");
     const int32_t* table = block_table.data() + s * block_table.stride(0);
     for (int64_t b = 0; b < (len + page - 1) / page; ++b)
-      require(table[b] >= 0 && table[b] < pages, "mla_paged_attention: page " + std::to_string(table[b]) +
+      REQUIRE(table[b] >= 0 && table[b] < pages, "mla_paged_attention: page " + std::to_string(table[b]) +
                                                      " outside the pool's " + std::to_string(pages));
     longest = std::max(longest, len);
   }
   std::vector<float> score(heads * std::max<int64_t>(longest, 1));  // [H, L]: scaled scores, then weights
-  std::vector<float> acc(v_dim);
+  std::vector<float> acc(heads * v_dim);                             // [H, v_dim]
   for (int64_t s = 0; s < shards; ++s) {
     const int64_t len = lens.data()[s * lens.stride(0)];
     const int32_t* table = block_table.data() + s * block_table.stride(0);
     auto row = [&](int64_t t) {  // the latent row of the shard's token t
       return kv_pages.data() + (static_cast<int64_t>(table[t / page]) * page + t % page) * dqk;
     };
+    const float* qs = q.data() + s * q.stride(0);
     for (int64_t t = 0; t < len; ++t) {
       const float* k = row(t);
-      for (int64_t h = 0; h < heads; ++h)
-        score[h * len + t] = scale * dot(q.data() + s * q.stride(0) + h * q.stride(1), k, dqk);
+      for (int64_t h = 0; h < heads; ++h) score[h * len + t] = scale * dot(qs + h * q.stride(1), k, dqk);
     }
-    for (int64_t h = 0; h < heads; ++h) {
-      float* out = o.data() + s * o.stride(0) + h * o.stride(1);
+    std::vector<float> inv(heads);
+    for (int64_t h = 0; h < heads; ++h) {  // softmax weights, unnormalised; lse
       float* l = lse.data() + s * lse.stride(0) + h * lse.stride(1);
       if (len == 0) {
-        std::fill(out, out + v_dim, 0.0f);
         *l = -INFINITY;
         continue;
       }
@@ -454,15 +464,22 @@ void mla_paged_attention(F32<3> q, F32<3> kv_pages, I32<2> block_table, I64<1> l
         w[t] = fast_exp(w[t] - top);
         sum += w[t];
       }
-      std::fill(acc.begin(), acc.end(), 0.0f);
-      for (int64_t t = 0; t < len; ++t) {
-        const float* v = row(t);
-        const float wt = w[t];
-        for (int64_t i = 0; i < v_dim; ++i) acc[i] += wt * v[i];
-      }
-      const float inv = 1.0f / sum;
-      for (int64_t i = 0; i < v_dim; ++i) out[i] = acc[i] * inv;
+      inv[h] = 1.0f / sum;
       *l = top + std::log(sum);
+    }
+    std::fill(acc.begin(), acc.end(), 0.0f);
+    for (int64_t t = 0; t < len; ++t) {  // each row read once for every head
+      const float* v = row(t);
+      for (int64_t h = 0; h < heads; ++h) {
+        const float wt = score[h * len + t];
+        float* a = acc.data() + h * v_dim;
+        for (int64_t i = 0; i < v_dim; ++i) a[i] += wt * v[i];
+      }
+    }
+    for (int64_t h = 0; h < heads; ++h) {
+      float* out = o.data() + s * o.stride(0) + h * o.stride(1);
+      const float norm = len ? inv[h] : 0.0f;
+      for (int64_t i = 0; i < v_dim; ++i) out[i] = acc[h * v_dim + i] * norm;
     }
   }
 }
