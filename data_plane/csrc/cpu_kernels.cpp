@@ -85,7 +85,7 @@ inline float sum_squares(const float* x, int64_t n) { return dot(x, x, n); }
 // loops calling it vectorize: e^x = 2^n * e^r with n = round(x / ln 2), |r| <= ln 2 / 2, e^r a degree-6 polynomial.
 inline float fast_exp(float x) {
   x = std::min(std::max(x, -87.0f), 88.0f);
-  const float n = std::nearbyint(x * 1.44269504088896341f);  // inlines as a vector round (floor would not, with trapping math)
+  const float n = std::nearbyint(x * 1.44269504088896341f);  // a vector round (floor would be a libm call)
   const float r = (x - n * 0.693359375f) + n * 2.12194440e-4f;  // ln 2 in two parts: r is exact to fp32
   float p = 1.0f / 720.0f;
   p = p * r + 1.0f / 120.0f;
