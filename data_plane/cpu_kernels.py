@@ -43,7 +43,7 @@ def set_enabled(enabled: bool) -> bool:
 
 
 def usable(t: torch.Tensor) -> bool:
-    return _enabled and t.dtype == torch.float32 and t.device.type == "cpu"
+    return _enabled and t.dtype == torch.float32 and t.is_cpu
 
 
 _views: dict[int, tuple[torch.Tensor, np.ndarray]] = {}

@@ -81,6 +81,32 @@ inline float dot(const float* a, const float* b, int64_t n) {
 // sum of x[i]^2 over n values.
 inline float sum_squares(const float* x, int64_t n) { return dot(x, x, n); }
 
+// sum of x[i] over n values.
+inline float total(const float* x, int64_t n) {
+  Lanes acc = {};
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) acc += load_lanes(x + i);
+  float s = lane_sum(acc);
+  for (; i < n; ++i) s += x[i];
+  return s;
+}
+
+// the largest of n >= 1 values.
+inline float largest(const float* x, int64_t n) {
+  float top = x[0];
+  int64_t i = 0;
+  if (n >= kLanes) {
+    Lanes acc = load_lanes(x);
+    for (i = kLanes; i + kLanes <= n; i += kLanes) {
+      const Lanes v = load_lanes(x + i);
+      acc = v > acc ? v : acc;
+    }
+    for (int64_t j = 0; j < kLanes; ++j) top = std::max(top, acc[j]);
+  }
+  for (; i < n; ++i) top = std::max(top, x[i]);
+  return top;
+}
+
 // e^x in fp32 (within 2 ulp of std::exp over the finite range; inputs are clamped to it) as plain arithmetic, so
 // loops calling it vectorize: e^x = 2^n * e^r with n = round(x / ln 2), |r| <= ln 2 / 2, e^r a degree-6 polynomial.
 inline float fast_exp(float x) {
@@ -425,7 +451,6 @@ void mla_paged_attention(F32<3> q, F32<3> kv_pages, I32<2> block_table, I64<1> l
   require_rows(lse, "lse");
   REQUIRE(shards == 0 || blocks == 0 || block_table.stride(1) == 1,
           "mla_paged_attention: block_table rows must be contiguous");
-  int64_t longest = 0;
   for (int64_t s = 0; s < shards; ++s) {
     const int64_t len = lens.data()[s * lens.stride(0)];
     REQUIRE(len >= 0 && len <= blocks * page, "mla_paged_attention: shard length " + std::to_string(len) +
@@ -434,52 +459,50 @@ void mla_paged_attention(F32<3> q, F32<3> kv_pages, I32<2> block_table, I64<1> l
     for (int64_t b = 0; b < (len + page - 1) / page; ++b)
       REQUIRE(table[b] >= 0 && table[b] < pages, "mla_paged_attention: page " + std::to_string(table[b]) +
                                                      " outside the pool's " + std::to_string(pages));
-    longest = std::max(longest, len);
   }
-  std::vector<float> score(heads * std::max<int64_t>(longest, 1));  // [H, L]: scaled scores, then weights
-  std::vector<float> acc(heads * v_dim);                             // [H, v_dim]
+  // One pass over each shard's pages (online softmax, page by page): a page's rows are read from memory once, for
+  // the scores of every head and then, while in L1, for the weighted sum.
+  std::vector<float> score(heads * page);  // [H, page]: the page's scaled scores, then weights
+  std::vector<float> acc(heads * v_dim);   // [H, v_dim]: weighted sum of v under the running max
+  std::vector<float> top(heads), sum(heads);
   for (int64_t s = 0; s < shards; ++s) {
     const int64_t len = lens.data()[s * lens.stride(0)];
     const int32_t* table = block_table.data() + s * block_table.stride(0);
-    auto row = [&](int64_t t) {  // the latent row of the shard's token t
-      return kv_pages.data() + (static_cast<int64_t>(table[t / page]) * page + t % page) * dqk;
-    };
     const float* qs = q.data() + s * q.stride(0);
-    for (int64_t t = 0; t < len; ++t) {
-      const float* k = row(t);
-      for (int64_t h = 0; h < heads; ++h) score[h * len + t] = scale * dot(qs + h * q.stride(1), k, dqk);
-    }
-    std::vector<float> inv(heads);
-    for (int64_t h = 0; h < heads; ++h) {  // softmax weights, unnormalised; lse
-      float* l = lse.data() + s * lse.stride(0) + h * lse.stride(1);
-      if (len == 0) {
-        *l = -INFINITY;
-        continue;
-      }
-      float* w = score.data() + h * len;
-      float top = w[0];
-      for (int64_t t = 1; t < len; ++t) top = std::max(top, w[t]);
-      float sum = 0.0f;
-      for (int64_t t = 0; t < len; ++t) {
-        w[t] = fast_exp(w[t] - top);
-        sum += w[t];
-      }
-      inv[h] = 1.0f / sum;
-      *l = top + std::log(sum);
-    }
     std::fill(acc.begin(), acc.end(), 0.0f);
-    for (int64_t t = 0; t < len; ++t) {  // each row read once for every head
-      const float* v = row(t);
+    std::fill(top.begin(), top.end(), -INFINITY);
+    std::fill(sum.begin(), sum.end(), 0.0f);
+    for (int64_t first = 0; first < len; first += page) {
+      const int64_t rows = std::min(page, len - first);
+      const float* kv = kv_pages.data() + static_cast<int64_t>(table[first / page]) * page * dqk;
+      for (int64_t t = 0; t < rows; ++t)
+        for (int64_t h = 0; h < heads; ++h) score[h * page + t] = scale * dot(qs + h * q.stride(1), kv + t * dqk, dqk);
       for (int64_t h = 0; h < heads; ++h) {
-        const float wt = score[h * len + t];
-        float* a = acc.data() + h * v_dim;
-        for (int64_t i = 0; i < v_dim; ++i) a[i] += wt * v[i];
+        float* w = score.data() + h * page;
+        const float page_top = largest(w, rows);
+        if (page_top > top[h]) {  // a new running max: rescale what was summed under the old one
+          const float shrink = fast_exp(top[h] - page_top);
+          sum[h] *= shrink;
+          for (int64_t i = 0; i < v_dim; ++i) acc[h * v_dim + i] *= shrink;
+          top[h] = page_top;
+        }
+        for (int64_t t = 0; t < rows; ++t) w[t] = fast_exp(w[t] - top[h]);  // vectorizes: no reduction
+        sum[h] += total(w, rows);
+      }
+      for (int64_t t = 0; t < rows; ++t) {
+        const float* v = kv + t * dqk;
+        for (int64_t h = 0; h < heads; ++h) {
+          const float wt = score[h * page + t];
+          float* a = acc.data() + h * v_dim;
+          for (int64_t i = 0; i < v_dim; ++i) a[i] += wt * v[i];
+        }
       }
     }
     for (int64_t h = 0; h < heads; ++h) {
       float* out = o.data() + s * o.stride(0) + h * o.stride(1);
-      const float norm = len ? inv[h] : 0.0f;
+      const float norm = len ? 1.0f / sum[h] : 0.0f;
       for (int64_t i = 0; i < v_dim; ++i) out[i] = acc[h * v_dim + i] * norm;
+      lse.data()[s * lse.stride(0) + h * lse.stride(1)] = len ? top[h] + std::log(sum[h]) : -INFINITY;
     }
   }
 }
