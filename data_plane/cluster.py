@@ -384,7 +384,7 @@ class ProcessCluster(_LocalPools):
             raise InstanceFailure(f"instance {rank} did not answer within {timeout_s:.0f} s (alive={alive})")
         try:
             return conn.recv()
-        except EOFError as e:
+        except (EOFError, ConnectionResetError) as e:  # reset: the process died with our message unread
             raise InstanceFailure(f"instance {rank} died (exit code {self._procs[rank].exitcode})") from e
 
     def run_iteration(
@@ -415,7 +415,7 @@ class ProcessCluster(_LocalPools):
                 r = self._conns.index(conn)
                 try:
                     msg = conn.recv()
-                except EOFError:
+                except (EOFError, ConnectionResetError):  # reset: the process died with our message unread
                     errors.append((False, f"instance {r} died (exit code {self._procs[r].exitcode})"))
                     del retries[r]
                     continue
