@@ -166,7 +166,7 @@ def _plan_state(sched: Any, plan: Any) -> dict[str, Any]:
 
 @dataclass
 class SweepConfig:
-    batch_sizes: tuple[int, ...] = (4, 12, 32)
+    batch_sizes: tuple[int, ...] = (1, 4, 12, 32)  # batch 1 pins down the per-iteration constants
     kv_lens: tuple[int, ...] = (32, 256, 1024)  # prefill is O(batch x len^2) on the driver: keep lengths modest
     cp_degrees: tuple[int, ...] = (1, 2, 4)
     iterations: int = 5  # timed decode iterations per sweep point

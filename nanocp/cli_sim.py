@@ -329,7 +329,7 @@ def _register_profile(subparsers: argparse._SubParsersAction) -> None:
     sub = command_group(subparsers, "profile", "offline profiling (CP buckets, decode and prefill latency)")
 
     dec = sub.add_parser("decode", help="sweep the real CPU decode cluster and fit bench/profiles/cpu-tiny.json")
-    dec.add_argument("--batches", type=_ints, default=[4, 12, 32], help="requests per sweep point")
+    dec.add_argument("--batches", type=_ints, default=[1, 4, 12, 32], help="requests per sweep point")
     dec.add_argument("--kv-lens", type=_ints, default=[32, 256, 1024], help="prompt lengths")
     dec.add_argument("--cps", type=_ints, default=[1, 2, 4], help="CP degrees forced for every request")
     dec.add_argument("--iterations", type=int, default=5, help="decode iterations timed per sweep point")
