@@ -62,10 +62,17 @@ typedef float QuarterLanes __attribute__((vector_size(16)));
 
 // The lanes added up as a tree (halves, quarters, pairs): a chain of 4 dependent adds instead of 16.
 inline float lane_sum(Lanes v) {
+#if defined(__clang__) || __GNUC__ >= 12  // __builtin_shufflevector
   const HalfLanes h = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
                       __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
   const QuarterLanes q = __builtin_shufflevector(h, h, 0, 1, 2, 3) + __builtin_shufflevector(h, h, 4, 5, 6, 7);
   return (q[0] + q[2]) + (q[1] + q[3]);
+#else
+  float half[8];
+  for (int i = 0; i < 8; ++i) half[i] = v[i] + v[i + 8];
+  for (int i = 0; i < 4; ++i) half[i] += half[i + 4];
+  return (half[0] + half[2]) + (half[1] + half[3]);
+#endif
 }
 
 // sum of a[i] * b[i] over n values.
