@@ -359,6 +359,7 @@ class ProcessCluster(_LocalPools):
         self._info = ShmFabric.new_session(cfg.num_instances, num_flags=64)
         ctx = mp.get_context("spawn")
         self._conns, self._procs = [], []
+        self._lost: set[int] = set()  # instances whose pipe closed: their process is exiting
         for r in range(cfg.num_instances):
             parent, child = ctx.Pipe()
             proc = ctx.Process(target=_process_main, args=(cfg, r, self._info, self.pools[r].kv, child), daemon=True)
@@ -385,6 +386,7 @@ class ProcessCluster(_LocalPools):
         try:
             return conn.recv()
         except (EOFError, ConnectionResetError) as e:  # reset: the process died with our message unread
+            self._lost.add(rank)
             raise InstanceFailure(f"instance {rank} died (exit code {self._procs[rank].exitcode})") from e
 
     def run_iteration(
@@ -402,6 +404,7 @@ class ProcessCluster(_LocalPools):
                 self._start(r, sent[r], rows[r], return_logits)
                 retries[r] = 0
             except OSError:  # broken pipe: the process is gone
+                self._lost.add(r)
                 errors.append((False, f"instance {r} died (exit code {self._procs[r].exitcode})"))
         deadline = time.monotonic() + self.cfg.timeout_s * 2 + 5
         while retries:
@@ -416,6 +419,7 @@ class ProcessCluster(_LocalPools):
                 try:
                     msg = conn.recv()
                 except (EOFError, ConnectionResetError):  # reset: the process died with our message unread
+                    self._lost.add(r)
                     errors.append((False, f"instance {r} died (exit code {self._procs[r].exitcode})"))
                     del retries[r]
                     continue
@@ -429,6 +433,7 @@ class ProcessCluster(_LocalPools):
                         self._start(r, sent[r], rows[r], return_logits)
                         continue
                     except OSError:
+                        self._lost.add(r)
                         msg = ("error", f"instance {r} died (exit code {self._procs[r].exitcode})", False)
                 del retries[r]
                 if msg[0] == "ok":
@@ -459,6 +464,9 @@ class ProcessCluster(_LocalPools):
         self._conns[r].send(("run", self._seqs[r], rows, return_logits))
 
     def dead_instances(self) -> list[int]:
+        # A closed pipe can be seen a moment before the exiting process can be reaped: give those time to end.
+        for r in self._lost:
+            self._procs[r].join(timeout=5.0)
         return [r for r, proc in enumerate(self._procs) if not proc.is_alive()]
 
     def kill_instance(self, instance: int) -> None:
