@@ -46,20 +46,14 @@ def usable(t: torch.Tensor) -> bool:
     return _enabled and t.dtype == torch.float32 and t.is_cpu
 
 
-_views: dict[int, tuple[torch.Tensor, np.ndarray]] = {}
-
-
 def _np(t: torch.Tensor) -> np.ndarray:
     """The numpy view of an activation (no grad: the decode path runs under no_grad)."""
     return t.numpy()
 
 
 def _weight(t: torch.Tensor) -> np.ndarray:
-    """The numpy view of a weight, kept for as long as the weight lives (keyed by identity)."""
-    cached = _views.get(id(t))
-    if cached is None or cached[0] is not t:
-        cached = _views[id(t)] = (t, t.detach().numpy())
-    return cached[1]
+    """The numpy view of a weight (a weight may require grad; the kernels only read it)."""
+    return t.detach().numpy()
 
 
 def _empty(*shape: int, dtype=np.float32) -> tuple[torch.Tensor, np.ndarray]:
