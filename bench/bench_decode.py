@@ -126,16 +126,14 @@ def compare(hf, args, decode_instances: int, backend: str) -> list[dict]:
     cores = cores_used(decode_instances, backend)
     rows = []
     with LLM("tiny", decode_instances=decode_instances, backend=backend, torch_threads=cores) as llm:
+        # the engine set this process's torch threads to `cores`: HF runs with as many
         llm.generate(prompts_for(2, 8, 0), SamplingParams(max_tokens=2))  # warm up both sides
-        torch.set_num_threads(cores)
         hf_rates(hf, prompts_for(2, 8, 0), 2)
         for batch in args.batches:
             prompts = prompts_for(batch, args.prompt_len, batch)
             ours, theirs = [], []
             for _ in range(args.repeats):  # interleaved, so machine noise hits both sides alike
-                torch.set_num_threads(cores)
                 ours.append(nanocp_rates(llm, prompts, args.new_tokens))
-                torch.set_num_threads(cores)
                 theirs.append(hf_rates(hf, prompts, args.new_tokens))
             row = {"batch": batch, "hf_torch_threads": cores}
             for metric in ("decode", "end_to_end"):

@@ -117,7 +117,7 @@ def weighted_combine(
 ) -> torch.Tensor:
     """out [T, D] = base + sum_j weights[:, j] * y[rows[:, j]] (fp32); rows int64 [T, k], -1 = no contribution."""
     if out is None:
-        out = torch.from_numpy(np.empty(base.shape, dtype=np.float32))
+        out = _empty(*base.shape)[0]
     _k.weighted_combine(_np(y), _np(rows), _np(weights), _np(base), _np(out))
     return out
 

@@ -35,7 +35,6 @@ class PackedPending:
     tokens: int
     top_k: int
     result_rows: torch.Tensor  # int64 [T, k]: row of each (token, slot) result in the `y` buffer (-1 when none)
-    valid: torch.Tensor | None  # bool [T, k] when some slot chose no expert, else None
 
 
 @dataclass
@@ -151,7 +150,7 @@ class PackedDispatcher:
             for d in range(ranks):
                 self._put(d, "x", rank * (self.cap + 1), self._empty_header)
             self._signal_peers(self.dispatch_flag, self._seq)
-            return PackedPending(self._seq, 0, k, torch.zeros(0, k, dtype=torch.int64), None)
+            return PackedPending(self._seq, 0, k, torch.zeros(0, k, dtype=torch.int64))
         if cpu_kernels.usable(x):
             layout = cpu_kernels.moe_dispatch_layout(idx, self.num_experts, ranks, self.cap)
         else:
@@ -167,8 +166,7 @@ class PackedDispatcher:
             self._put(d, "x", row, payload[first : first + 1 + count])
             first += 1 + count
         self._signal_peers(self.dispatch_flag, self._seq)
-        valid = None if n == t * k else torch.from_numpy(idx >= 0)
-        return PackedPending(self._seq, t, k, torch.from_numpy(result_rows), valid)
+        return PackedPending(self._seq, t, k, torch.from_numpy(result_rows))
 
     def wait_flags(self, pending: PackedPending) -> list[tuple[int, int]]:
         """(flag, value) pairs that must hold before dispatch_finish: every rank has sent its tokens."""
@@ -221,11 +219,12 @@ class PackedDispatcher:
         buffer = self.fabric.buffer(self._names["y"])
         if base is not None and cpu_kernels.usable(buffer) and cpu_kernels.usable(base) and dtype == torch.float32:
             return cpu_kernels.weighted_combine(buffer, pending.result_rows, topk_weights.float(), base)
-        results = buffer.index_select(0, pending.result_rows.view(-1).clamp(min=0).to(buffer.device))
+        rows = pending.result_rows.to(buffer.device)
+        results = buffer.index_select(0, rows.view(-1).clamp(min=0))
         results = results.view(pending.tokens, pending.top_k, self.hidden).float()  # [T, k, hidden]
         weights = topk_weights.float()
-        if pending.valid is not None:  # slots without an expert read row 0: weight 0, value 0
-            valid = pending.valid.to(buffer.device)
+        valid = rows >= 0
+        if not bool(valid.all()):  # slots without an expert read row 0: weight 0, value 0
             weights = weights.masked_fill(~valid, 0.0)
             results = results.masked_fill(~valid[..., None], 0.0)
         routed = torch.bmm(weights[:, None, :], results)[:, 0].to(dtype)
