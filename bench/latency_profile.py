@@ -602,6 +602,24 @@ def fit_linear_cost(records: Sequence[Mapping[str, Any]], features: Sequence[str
     return {"const": float(coef[0])} | {f: float(c) for f, c in zip(features, coef[1:])}
 
 
+def _fit_link(recs: Sequence[Mapping[str, Any]], link_name: str, base: LatencyProfile | None) -> dict[str, float]:
+    """GBps and latency_us of one link from its cp_comm records.
+
+    When the transfer times do not grow with bytes (latency-bound sizes, or noise larger than the bandwidth term),
+    the bandwidth cannot be resolved: it is taken from the base profile and only the latency is fitted.
+    """
+    fit = fit_linear_cost(recs, ("bytes",))
+    if fit["bytes"] > 0:
+        return {"GBps": 1.0 / fit["bytes"] / 1e9, "latency_us": fit["const"] * 1e6}
+    if base is None:
+        raise ProfileError(
+            f"cp_comm records over {link_name} do not grow with bytes and no base profile gives its bandwidth"
+        )
+    bandwidth = base.links[link_name].bandwidth_Bps
+    residual = [float(r["seconds"]) - float(r["bytes"]) / bandwidth for r in recs]
+    return {"GBps": bandwidth / 1e9, "latency_us": max(0.0, float(np.mean(residual))) * 1e6}
+
+
 def fit_profile_from_timing_log(
     records: Iterable[Mapping[str, Any]],
     base: LatencyProfile | Mapping[str, Any] | None = None,
@@ -615,8 +633,8 @@ def fit_profile_from_timing_log(
     A record is a dict with `phase` (a name of PHASE_FEATURES, or `cp_comm`), `seconds`, and that phase's
     features (kv_tokens, shards, batch, partials; for cp_comm: `bytes` and `link` nvlink|rdma). Phases or links
     without records keep the coefficients of `base` (a profile or profile dict, which also gives the model shape,
-    memory and prefill sections). Without a base, `model` (ModelShape fields) is required and the records must
-    cover every phase and both links.
+    memory and prefill sections; a link whose records do not resolve a bandwidth keeps the base's). Without a base,
+    `model` (ModelShape fields) is required and the records must cover every phase and both links.
     """
     by_phase: dict[str, list[Mapping[str, Any]]] = {}
     for r in records:
@@ -649,10 +667,7 @@ def fit_profile_from_timing_log(
     for link_name in LINKS:
         recs = [r for r in by_phase.get("cp_comm", []) if r.get("link", "nvlink") == link_name]
         if recs:
-            fit = fit_linear_cost(recs, ("bytes",))
-            if fit["bytes"] <= 0:
-                raise ProfileError(f"cp_comm records over {link_name} do not grow with bytes; cannot fit a bandwidth")
-            links[link_name] = {"GBps": 1.0 / fit["bytes"] / 1e9, "latency_us": fit["const"] * 1e6}
+            links[link_name] = _fit_link(recs, link_name, base_profile)
         elif base_profile is None:
             raise ProfileError(f"no cp_comm records over {link_name} and no base profile to take the link from")
         else:

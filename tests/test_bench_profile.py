@@ -287,8 +287,23 @@ def test_fit_errors():
     with pytest.raises(ProfileError, match="unknown phases"):
         fit_profile_from_timing_log([{"phase": "warp", "seconds": 1.0}], toy_profile_dict())
     flat = [{"phase": "cp_comm", "link": "rdma", "bytes": b, "seconds": 1.0} for b in (10, 20, 30)]
-    with pytest.raises(ProfileError, match="bandwidth"):
-        fit_profile_from_timing_log(flat, toy_profile_dict())
+    every_phase = synthetic_records(np.random.default_rng(), {p: {"const": 1e-4} for p in PHASE_FEATURES}, 0.0)
+    nvlink = [{"phase": "cp_comm", "link": "nvlink", "bytes": b, "seconds": 1e-5 + b * 1e-9} for b in (1, 5, 9)]
+    with pytest.raises(ProfileError, match="rdma do not grow with bytes"):
+        fit_profile_from_timing_log(every_phase + nvlink + flat, model=toy_profile_dict()["model"])
+
+
+def test_link_whose_times_do_not_grow_with_bytes_keeps_the_base_bandwidth():
+    """Latency-bound (or noisy) transfers cannot resolve a bandwidth: the base's is kept, the latency is fitted."""
+    rng = np.random.default_rng()
+    base = LatencyProfile.from_dict(toy_profile_dict())
+    sizes = np.sort(rng.integers(1, 4096, size=12))
+    seconds = 2e-5 + np.sort(rng.random(12))[::-1] * 1e-6  # falls as bytes grow: the noise is all there is
+    flat = [{"phase": "cp_comm", "link": "rdma", "bytes": int(b), "seconds": float(t)} for b, t in zip(sizes, seconds)]
+    link = LatencyProfile.from_dict(fit_profile_from_timing_log(flat, base)).links["rdma"]
+    bandwidth = base.links["rdma"].bandwidth_Bps
+    assert link.bandwidth_Bps == pytest.approx(bandwidth)
+    assert link.latency_s == pytest.approx(max(0.0, float(np.mean(seconds - sizes / bandwidth))))
 
 
 def test_profile_dict_not_mutated_by_fit():
