@@ -137,13 +137,21 @@ def moe_dispatch_layout(
     return n, source[: n + ranks], tags[: n + ranks], per_dst, result_rows
 
 
-def expert_padding(rows: np.ndarray, local: np.ndarray, num_experts: int) -> tuple[int, np.ndarray, np.ndarray]:
-    """rows, local int64 [N] -> (width, padded_rows [E * width] (rows at their slots, 0 in the padding), slot [N]):
-    the [E, width] zero-padded grouping of data_plane/decode_layers.grouped_experts."""
-    slot = np.empty(len(local), dtype=np.int64)
-    padded_rows = np.empty(num_experts * len(local), dtype=np.int64)
-    width = _k.expert_padding(rows, local, num_experts, slot, padded_rows)
-    return width, padded_rows[: num_experts * width], slot
+def grouped_expert_mlp_usable(source: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> bool:
+    """Whether grouped_expert_mlp takes these: fp32 CPU tensors, hidden and intermediate sizes multiples of 16."""
+    return (
+        usable(source) and usable(gate_up) and usable(down) and gate_up.shape[1] % 16 == 0 and down.shape[1] % 16 == 0
+    )
+
+
+def grouped_expert_mlp(
+    source: torch.Tensor, rows: np.ndarray, local: np.ndarray, gate_up: torch.Tensor, down: torch.Tensor
+) -> torch.Tensor:
+    """source [R, D], rows / local int64 [N], gate_up [E, D, 2I], down [E, I, D] -> y [N, D]: row i is local expert
+    local[i]'s SwiGLU MLP of source[rows[i]] (no padding; idle experts cost nothing)."""
+    y, out = _empty(len(rows), source.shape[1])
+    _k.grouped_expert_mlp(_np(source), rows, local, _weight(gate_up), _weight(down), out)
+    return y
 
 
 def mla_paged_attention(

@@ -371,19 +371,21 @@ def grouped_experts(
     """Run each received token through its expert: source [R, D] holds the tokens at `rows` [N] (int64), routed to
     local experts `local` [N] -> y [N, D], row i = expert local[i] applied to source[rows[i]].
 
-    Decode batches group the tokens per expert into a zero-padded [E_local, max_count, D] batch (padding reads
-    source row 0 and is never returned): all experts run as two bmm's whatever the routing. Very small batches (fewer
-    than 2 tokens per expert: most experts idle) and large ones (prefill, SEGMENT_MIN_ROWS tokens per expert on
-    average) sort the tokens by expert and run one GEMM pair per expert that has tokens, on its contiguous segment:
-    no padding and no idle expert's weights read; the per-op overhead is small next to that or to the GEMMs."""
+    Decode batches on the fp32 CPU path take one fused kernel (cpu_kernels.grouped_expert_mlp: per expert, its
+    tokens' rows straight from `source`, no padding). Otherwise decode batches group the tokens per expert into a
+    zero-padded [E_local, max_count, D] batch (padding reads source row 0 and is never returned): all experts run as
+    two bmm's whatever the routing. Very small batches (fewer than 2 tokens per expert: most experts idle) and large
+    ones (prefill, SEGMENT_MIN_ROWS tokens per expert on average, where the library GEMMs win) sort the tokens by
+    expert and run one GEMM pair per expert that has tokens, on its contiguous segment: no padding and no idle
+    expert's weights read; the per-op overhead is small next to that or to the GEMMs."""
     n = len(rows)
     if n == 0:
         return source.new_empty(0, source.shape[1])
     num_experts = experts.gate_up.shape[0]
-    segments = n < 2 * num_experts or n >= SEGMENT_MIN_ROWS * num_experts
-    if not segments and cpu_kernels.usable(source):
-        width, padded_rows, slot = cpu_kernels.expert_padding(rows, local, num_experts)
-        return _padded_experts(experts, source, padded_rows, slot, width)
+    large = n >= SEGMENT_MIN_ROWS * num_experts
+    if not large and cpu_kernels.grouped_expert_mlp_usable(source, experts.gate_up, experts.down):
+        return cpu_kernels.grouped_expert_mlp(source, rows, local, experts.gate_up, experts.down)
+    segments = n < 2 * num_experts or large
     counts = np.bincount(local, minlength=num_experts)
     order = np.argsort(local, kind="stable")
     starts = np.cumsum(counts) - counts

@@ -1,8 +1,8 @@
 """The fused fp32 CPU kernels (data_plane/cpu_kernels.py over data_plane/csrc/cpu_kernels.cpp) against their torch
 references on random shapes and inputs, strided rows included: RMSNorm (models.rms_norm), MLA's latent norms and
 rope (decode_layers.rotate_pairs), the query heads' in-place rope, SwiGLU, the MoE gate's group-limited top-k (the
-torch branch of decode_layers.moe_gate: equal indices), the weighted combine and the paged MLA attention
-(models.mla_paged_attention_with_lse); and the errors on bad input."""
+torch branch of decode_layers.moe_gate: equal indices), the weighted combine, the grouped expert MLP (token by token
+in fp64) and the paged MLA attention (models.mla_paged_attention_with_lse); and the errors on bad input."""
 
 from __future__ import annotations
 
@@ -206,6 +206,39 @@ def test_weighted_combine_equals_the_weighted_sum(tokens, top_k, sources, dim, e
     assert float(((got.double() - want).abs() / bound.max()).max()) <= TOL
 
 
+def expert_mlp_reference(source, rows, local, gate_up, down) -> torch.Tensor:
+    """Token by token in fp64: y[i] = SwiGLU MLP of expert local[i] on source[rows[i]]."""
+    inter = down.shape[1]
+    out = []
+    for r, e in zip(rows.tolist(), local.tolist()):
+        h = source[r].double() @ gate_up[e].double()
+        out.append((F.silu(h[:inter]) * h[inter:]) @ down[e].double())
+    return torch.stack(out).float() if out else torch.zeros(0, source.shape[1])
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    tokens=st.integers(0, 40),
+    sources=st.integers(1, 12),
+    experts=st.integers(1, 6),
+    dim=st.sampled_from([16, 48, 64, 80, 256]),
+    inter=st.sampled_from([16, 32, 96, 128]),
+    extra=st.sampled_from([0, 0, 7]),
+    seed=st.integers(0, 2**16),
+)
+def test_grouped_expert_mlp_equals_each_tokens_expert(tokens, sources, experts, dim, inter, extra, seed):
+    """Every token through its own expert, any routing (idle experts, one expert taking all, repeated rows), rows
+    of the source strided; column counts that leave tails of 1-3 vectors after the 4-vector tiles."""
+    gen, rng = torch.Generator().manual_seed(seed), np.random.default_rng(seed)
+    source = wide_slice(gen, sources, dim, extra)
+    gate_up, down = randn(gen, experts, dim, 2 * inter, scale=0.1), randn(gen, experts, inter, dim, scale=0.1)
+    rows = rng.integers(0, sources, tokens).astype(np.int64)
+    local = rng.integers(0, experts, tokens).astype(np.int64)
+    assert cpu_kernels.grouped_expert_mlp_usable(source, gate_up, down)
+    got = cpu_kernels.grouped_expert_mlp(source, rows, local, gate_up, down)
+    assert rel_err(got, expert_mlp_reference(source, rows, local, gate_up, down)) <= 1e-5
+
+
 @settings(max_examples=25, deadline=None)
 @given(
     shards=st.integers(0, 6),
@@ -307,6 +340,24 @@ def test_weighted_combine_rejects_bad_shapes_and_rows():
         cpu_kernels.weighted_combine(y, rows, randn(gen, 2, 3), base)
     with pytest.raises(ValueError, match=r"base and out must be \[2, 6\]"):
         cpu_kernels.weighted_combine(y, rows, weights, randn(gen, 2, 5))
+
+
+def test_grouped_expert_mlp_rejects_bad_routing_and_shapes():
+    gen = torch.Generator().manual_seed(11)
+    source, gate_up, down = randn(gen, 5, 32), randn(gen, 3, 32, 32), randn(gen, 3, 16, 32)
+    rows, local = np.array([0, 4, 2]), np.array([2, 0, 1])
+    with pytest.raises(ValueError, match=r"local expert 3 outside \[0, 3\)"):
+        cpu_kernels.grouped_expert_mlp(source, rows, np.array([2, 3, 0]), gate_up, down)
+    with pytest.raises(ValueError, match="row 5 outside the source's 5 rows"):
+        cpu_kernels.grouped_expert_mlp(source, np.array([0, 5, 1]), local, gate_up, down)
+    with pytest.raises(ValueError, match="rows, local and y must have the same length"):
+        cpu_kernels.grouped_expert_mlp(source, rows, local[:2], gate_up, down)
+    with pytest.raises(ValueError, match=r"gate_up \[E, D, 2I\], down \[E, I, D\].* disagree"):
+        cpu_kernels.grouped_expert_mlp(source, rows, local, gate_up, randn(gen, 3, 24, 32))
+    odd_source, odd_gate_up, odd_down = randn(gen, 5, 24), randn(gen, 3, 24, 32), randn(gen, 3, 16, 24)
+    assert not cpu_kernels.grouped_expert_mlp_usable(odd_source, odd_gate_up, odd_down)  # decode_layers falls back
+    with pytest.raises(ValueError, match="multiples of 16"):
+        cpu_kernels.grouped_expert_mlp(odd_source, rows, local, odd_gate_up, odd_down)
 
 
 def test_float64_inputs_are_refused():

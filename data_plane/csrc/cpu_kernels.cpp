@@ -2,9 +2,10 @@
 //
 // On CPU every torch op costs several microseconds whatever its size, and a decode layer of the tiny model runs
 // about 150 of them around its 7 GEMMs. Each kernel here does one of those runs of small ops in one pass over
-// rows held in cache. The GEMMs stay torch's (oneDNN/MKL). The torch formulation of each step in
-// data_plane/decode_layers.py and data_plane/moe_exchange.py is the reference: tests/test_cpu_kernels.py compares
-// every kernel with it on random inputs.
+// rows held in cache. The GEMMs stay torch's (oneDNN/MKL), except the routed experts': a decode batch gives each
+// expert a few tokens, and one call running all experts' small GEMMs on unpadded rows beats padded bmm's. The
+// torch formulation of each step in data_plane/decode_layers.py and data_plane/moe_exchange.py is the reference:
+// tests/test_cpu_kernels.py compares every kernel with it on random inputs.
 //
 // Arrays come in as numpy views of torch tensors (nanobind checks dtype, rank and device); rows may be strided,
 // the last dimension must be contiguous.
@@ -219,6 +220,12 @@ void rope_heads_(F32<3> q, int64_t offset, F32<3> rope_cs) {
 
 // ---- FFN / MoE side ------------------------------------------------------------------------------------------
 
+// One row: gate_up [2I] (gate | up) -> y [I] = silu(gate) * up.
+inline void silu_mul_row(const float* gate_up, float* y, int64_t inter) {
+  const float* up = gate_up + inter;
+  for (int64_t i = 0; i < inter; ++i) y[i] = gate_up[i] / (1.0f + fast_exp(-gate_up[i])) * up[i];
+}
+
 // gate_up [..., 2I] (gate | up) -> out [..., I] = silu(gate) * up, over rows of the flattened leading dims.
 void silu_mul(F32<2> gate_up, F32<2> out) {
   require_rows(gate_up, "gate_up");
@@ -227,12 +234,7 @@ void silu_mul(F32<2> gate_up, F32<2> out) {
   REQUIRE(static_cast<int64_t>(gate_up.shape(1)) == 2 * inter && out.shape(0) == gate_up.shape(0),
           "silu_mul: gate_up " + shape_of(gate_up.shape(0), gate_up.shape(1)) + " and out " +
               shape_of(out.shape(0), out.shape(1)) + " disagree");
-  for (int64_t r = 0; r < t; ++r) {
-    const float* g = gate_up.data() + r * gate_up.stride(0);
-    const float* u = g + inter;
-    float* y = out.data() + r * out.stride(0);
-    for (int64_t i = 0; i < inter; ++i) y[i] = g[i] / (1.0f + fast_exp(-g[i])) * u[i];
-  }
+  for (int64_t r = 0; r < t; ++r) silu_mul_row(gate_up.data() + r * gate_up.stride(0), out.data() + r * out.stride(0), inter);
 }
 
 // DeepSeek-V3's gate after its GEMM: logits [T, E] -> topk_idx [T, k] (descending choice score), topk_w [T, k].
@@ -403,32 +405,121 @@ int64_t moe_dispatch_layout(I64<2> topk_idx, int64_t num_experts, int64_t ranks,
   return n;
 }
 
-// Padded grouping of received tokens for the experts' batched GEMMs: local [N] (each token's local expert) ->
-// slot [N] (the token's row in the [E, width] padded batch: tokens of an expert in arrival order) and padded_rows
-// [>= E * width] (rows[i] at slot[i], 0 in the padding). Returns width = the largest count.
-int64_t expert_padding(I64<1> rows, I64<1> local, int64_t num_experts, I64<1> slot, I64<1> padded_rows) {
-  const int64_t n = local.shape(0);
-  REQUIRE(static_cast<int64_t>(rows.shape(0)) == n && static_cast<int64_t>(slot.shape(0)) == n,
-          "expert_padding: rows, local and slot must have the same length");
-  std::vector<int64_t> count(num_experts, 0);
+// ---- grouped expert MLP ---------------------------------------------------------------------------------------
+
+// C rows [m, 16 * NV] = A rows [m, k] @ B[k, 16 * NV] (B rows ldb apart), m <= MR. Rows are given by pointer, so a
+// token's input row is read where it was received and its output written where the caller wants it (no gather,
+// no scatter). MR x NV accumulators stay in registers over the whole k loop; each B vector is used MR times.
+template <int MR, int NV>
+inline void gemm_tile(int64_t k, const float* const* a, const float* b, int64_t ldb, float* const* c) {
+  Lanes acc[MR][NV];
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NV; ++j) acc[i][j] = Lanes{};
+  for (int64_t p = 0; p < k; ++p) {
+    Lanes bv[NV];
+    for (int j = 0; j < NV; ++j) bv[j] = load_lanes(b + p * ldb + kLanes * j);
+    for (int i = 0; i < MR; ++i) {
+      const Lanes av = Lanes{} + a[i][p];
+      for (int j = 0; j < NV; ++j) acc[i][j] += av * bv[j];
+    }
+  }
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NV; ++j) std::memcpy(c[i] + kLanes * j, &acc[i][j], sizeof(Lanes));
+}
+
+// A tile of m < MR rows: the largest tile that fits (the row count is a run-time value, the tile a template).
+template <int MR, int NV>
+inline void gemm_rows_tile(int64_t m, int64_t k, const float* const* a, const float* b, int64_t ldb, float* const* c) {
+  if constexpr (MR > 0) {
+    if (m >= MR) return gemm_tile<MR, NV>(k, a, b, ldb, c);
+    gemm_rows_tile<MR - 1, NV>(m, k, a, b, ldb, c);
+  }
+}
+
+constexpr int kTileRows = 6;   // 6 rows x 4 vectors = 24 accumulators + 4 B vectors: 28 of the 32 registers
+constexpr int kTileVectors = 4;
+
+// C rows [m, n] = A rows [m, k] @ B [k, n] (B rows ldb apart; n a multiple of 16). Column blocks outside, row tiles
+// inside: a column block of B (k x 64 floats) is read from cache by every row tile.
+void gemm_rows(int64_t m, int64_t n, int64_t k, const float* const* a, const float* b, int64_t ldb, float* const* c) {
+  const float* a_tile[kTileRows];
+  float* c_tile[kTileRows];
+  for (int64_t col = 0; col < n; col += kLanes * kTileVectors) {
+    const int64_t vectors = std::min<int64_t>(kTileVectors, (n - col) / kLanes);
+    for (int64_t row = 0; row < m; row += kTileRows) {
+      const int64_t rows = std::min<int64_t>(kTileRows, m - row);
+      for (int64_t t = 0; t < rows; ++t) {
+        a_tile[t] = a[row + t];
+        c_tile[t] = c[row + t] + col;
+      }
+      switch (vectors) {
+        case 4: gemm_rows_tile<kTileRows, 4>(rows, k, a_tile, b + col, ldb, c_tile); break;
+        case 3: gemm_rows_tile<kTileRows, 3>(rows, k, a_tile, b + col, ldb, c_tile); break;
+        case 2: gemm_rows_tile<kTileRows, 2>(rows, k, a_tile, b + col, ldb, c_tile); break;
+        default: gemm_rows_tile<kTileRows, 1>(rows, k, a_tile, b + col, ldb, c_tile); break;
+      }
+    }
+  }
+}
+
+// The routed experts of a decode batch without padding (the CPU counterpart of a grouped GEMM over a contiguous
+// layout): token i is source[rows[i]] through local expert local[i],
+//   y[i] = (silu(x @ gate_up[e][:, :I]) * (x @ gate_up[e][:, I:])) @ down[e].
+// source [R, D], rows/local [N], gate_up [E, D, 2I], down [E, I, D] -> y [N, D]; D and I multiples of 16. Tokens are
+// taken expert by expert (counting sort, arrival order within an expert); idle experts' weights are never read.
+void grouped_expert_mlp(F32<2> source, I64<1> rows, I64<1> local, F32<3> gate_up, F32<3> down, F32<2> y) {
+  require_rows(source, "source");
+  require_rows(gate_up, "gate_up");
+  require_rows(down, "down");
+  require_rows(y, "y");
+  const int64_t n = rows.shape(0), experts = gate_up.shape(0), dim = gate_up.shape(1), inter = down.shape(1);
+  REQUIRE(static_cast<int64_t>(local.shape(0)) == n && static_cast<int64_t>(y.shape(0)) == n,
+          "grouped_expert_mlp: rows, local and y must have the same length");
+  REQUIRE(static_cast<int64_t>(gate_up.shape(2)) == 2 * inter && static_cast<int64_t>(down.shape(0)) == experts &&
+              static_cast<int64_t>(down.shape(2)) == dim && static_cast<int64_t>(source.shape(1)) == dim &&
+              static_cast<int64_t>(y.shape(1)) == dim,
+          "grouped_expert_mlp: gate_up [E, D, 2I], down [E, I, D], source [R, D] and y [N, D] disagree");
+  REQUIRE(dim % kLanes == 0 && inter % kLanes == 0,
+          "grouped_expert_mlp: hidden and intermediate sizes must be multiples of 16");
+  std::vector<int64_t> count(experts + 1, 0);  // then: each expert's first position in `order`
   for (int64_t i = 0; i < n; ++i) {
     const int64_t e = local.data()[i * local.stride(0)];
-    REQUIRE(e >= 0 && e < num_experts, "expert_padding: local expert " + std::to_string(e) + " outside [0, " +
-                                           std::to_string(num_experts) + ")");
-    ++count[e];
+    REQUIRE(e >= 0 && e < experts, "grouped_expert_mlp: local expert " + std::to_string(e) + " outside [0, " +
+                                       std::to_string(experts) + ")");
+    const int64_t r = rows.data()[i * rows.stride(0)];
+    REQUIRE(r >= 0 && r < static_cast<int64_t>(source.shape(0)),
+            "grouped_expert_mlp: row " + std::to_string(r) + " outside the source's " +
+                std::to_string(source.shape(0)) + " rows");
+    ++count[e + 1];
   }
-  const int64_t width = n ? *std::max_element(count.begin(), count.end()) : 0;
-  REQUIRE(static_cast<int64_t>(padded_rows.shape(0)) >= num_experts * width,
-          "expert_padding: padded_rows holds fewer than experts x width rows");
-  std::fill(padded_rows.data(), padded_rows.data() + num_experts * width, 0);
-  std::fill(count.begin(), count.end(), 0);
-  for (int64_t i = 0; i < n; ++i) {
-    const int64_t e = local.data()[i * local.stride(0)];
-    const int64_t at = e * width + count[e]++;
-    slot.data()[i] = at;
-    padded_rows.data()[at] = rows.data()[i * rows.stride(0)];
+  for (int64_t e = 0; e < experts; ++e) count[e + 1] += count[e];
+  std::vector<int64_t> order(n);
+  std::vector<int64_t> next(count.begin(), count.end() - 1);
+  for (int64_t i = 0; i < n; ++i) order[next[local.data()[i * local.stride(0)]]++] = i;
+
+  int64_t widest = 0;
+  for (int64_t e = 0; e < experts; ++e) widest = std::max(widest, count[e + 1] - count[e]);
+  std::vector<float> hidden(widest * 3 * inter);  // [widest, 2I] gate | up, then [widest, I] the activation
+  std::vector<const float*> a(widest);
+  std::vector<float*> c(widest);
+  for (int64_t e = 0; e < experts; ++e) {
+    const int64_t m = count[e + 1] - count[e];
+    if (m == 0) continue;
+    const int64_t* tokens = order.data() + count[e];
+    float* gate_up_out = hidden.data();
+    float* act = hidden.data() + widest * 2 * inter;
+    for (int64_t t = 0; t < m; ++t) {
+      a[t] = source.data() + rows.data()[tokens[t] * rows.stride(0)] * source.stride(0);
+      c[t] = gate_up_out + t * 2 * inter;
+    }
+    gemm_rows(m, 2 * inter, dim, a.data(), gate_up.data() + e * gate_up.stride(0), gate_up.stride(1), c.data());
+    for (int64_t t = 0; t < m; ++t) {
+      silu_mul_row(c[t], act + t * inter, inter);
+      a[t] = act + t * inter;
+      c[t] = y.data() + tokens[t] * y.stride(0);
+    }
+    gemm_rows(m, dim, inter, a.data(), down.data() + e * down.stride(0), down.stride(1), c.data());
   }
-  return width;
 }
 
 // ---- shard attention -----------------------------------------------------------------------------------------
@@ -530,8 +621,8 @@ NB_MODULE(_cpu_kernels, m) {
         nb::arg("normalize"), nb::arg("scale"), array("topk_idx"), array("topk_w"));
   m.def("moe_dispatch_layout", &moe_dispatch_layout, array("topk_idx"), nb::arg("num_experts"), nb::arg("ranks"),
         nb::arg("cap"), array("source"), array("tags"), array("per_dst"), array("result_rows"));
-  m.def("expert_padding", &expert_padding, array("rows"), array("local"), nb::arg("num_experts"), array("slot"),
-        array("padded_rows"));
+  m.def("grouped_expert_mlp", &grouped_expert_mlp, array("source"), array("rows"), array("local"), array("gate_up"),
+        array("down"), array("y"));
   m.def("mla_paged_attention", &mla_paged_attention, array("q"), array("kv_pages"), array("block_table"),
         array("lens"), nb::arg("scale"), array("o"), array("lse"));
   m.def("weighted_combine", &weighted_combine, array("y"), array("rows"), array("weights"), array("base"),
