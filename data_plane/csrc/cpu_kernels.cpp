@@ -417,6 +417,9 @@ inline void gemm_tile(int64_t k, const float* const* a, const float* b, int64_t 
     for (int j = 0; j < NV; ++j) acc[i][j] = Lanes{};
   for (int64_t p = 0; p < k; ++p) {
     Lanes bv[NV];
+    // Expert weights are cold (a layer's experts outgrow the cache) and their rows are ldb apart, a stride the
+    // hardware prefetcher follows poorly: ask for the rows 16 ahead (a prefetch past the end is harmless).
+    for (int j = 0; j < NV; ++j) __builtin_prefetch(b + (p + 16) * ldb + kLanes * j);
     for (int j = 0; j < NV; ++j) bv[j] = load_lanes(b + p * ldb + kLanes * j);
     for (int i = 0; i < MR; ++i) {
       const Lanes av = Lanes{} + a[i][p];
