@@ -174,7 +174,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--prompt-len", type=int, default=32)
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--decode-instances", type=int, default=2)
     ap.add_argument("--backend", default="processes", choices=BACKENDS)
     ap.add_argument(

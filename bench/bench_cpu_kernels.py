@@ -1,0 +1,151 @@
+"""The fused fp32 CPU kernels against their torch reference path, paired in one process.
+
+    python -m nanocp.bench.bench_cpu_kernels [--batches 16 64] [--repeats 5]
+
+Two comparisons, each alternating the two paths run by run (`cpu_kernels.set_enabled`) so that the machine's drift
+hits both alike:
+- the decode step: `LLM.generate` on the tiny model (1 instance, inline backend, greedy), milliseconds per decode
+  step (time after the last first token / steps);
+- the routed experts of one MoE layer (`decode_layers.grouped_experts`, 16 experts, top-4 routing of `batch`
+  tokens): the grouped expert kernel against the padded bmm path, with the weights cold (the calls cycle over
+  enough layers' experts to leave the cache) as in a decode step.
+Measured on this machine, not a model output. Writes bench/results/cpu_kernels.{json,md}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from functools import partial
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from nanocp import LLM, SamplingParams
+from nanocp.data_plane import cpu_kernels
+from nanocp.data_plane import decode_layers as dl
+from nanocp.models import ModelConfig
+
+from .bench_decode import RESULTS, prompts_for
+
+PATHS = ("kernels", "torch")
+COLD_LAYERS = 12  # 12 layers x 16 experts x 384 KB = 75 MB of expert weights: more than the caches keep
+
+
+def _with_path(path: str, fn):
+    previous = cpu_kernels.set_enabled(path == "kernels")
+    try:
+        return fn()
+    finally:
+        cpu_kernels.set_enabled(previous)
+
+
+def decode_step_ms(llm: LLM, prompts: list[list[int]], new_tokens: int) -> float:
+    outs = llm.generate(prompts, SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True))
+    first = max(o.metrics.token_times[0] for o in outs)
+    last = max(o.metrics.token_times[-1] for o in outs)
+    return (last - first) / (new_tokens - 1) * 1e3
+
+
+def expert_layers(c: ModelConfig, seed: int) -> list[dl.GroupedExperts]:
+    """COLD_LAYERS layers of routed experts shaped like model c's (fresh random weights)."""
+    hidden, inter, experts = c.hidden_size, c.moe_intermediate_size, c.n_routed_experts
+    gen = torch.Generator().manual_seed(seed)
+    return [
+        dl.GroupedExperts(
+            torch.randn(experts, hidden, 2 * inter, generator=gen) * 0.05,
+            torch.randn(experts, inter, hidden, generator=gen) * 0.05,
+        )
+        for _ in range(COLD_LAYERS)
+    ]
+
+
+def experts_ms(layers: list[dl.GroupedExperts], batch: int, top_k: int, seed: int, calls: int = 20) -> float:
+    """Milliseconds per grouped_experts call: `batch` tokens, each routed to top_k distinct experts."""
+    rng = np.random.default_rng(seed)
+    num_experts, hidden = layers[0].gate_up.shape[0], layers[0].gate_up.shape[1]
+    source = torch.from_numpy(rng.standard_normal((batch, hidden)).astype(np.float32))
+    rows = np.repeat(np.arange(batch, dtype=np.int64), top_k)
+    local = np.concatenate([rng.choice(num_experts, top_k, replace=False) for _ in range(batch)]).astype(np.int64)
+    start = time.perf_counter()
+    for i in range(calls):
+        dl.grouped_experts(layers[i % len(layers)], source, rows, local)
+    return (time.perf_counter() - start) / calls * 1e3
+
+
+def paired(measure, repeats: int) -> dict:
+    """Median of each path over `repeats` alternating runs, and their ratio (torch / kernels)."""
+    runs = {p: [] for p in PATHS}
+    for _ in range(repeats):
+        for p in PATHS:
+            runs[p].append(_with_path(p, measure))
+    med = {p: statistics.median(v) for p, v in runs.items()}
+    return {"ms": med, "runs_ms": runs, "speedup": med["torch"] / med["kernels"]}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--batches", type=int, nargs="+", default=[16, 64])
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--new-tokens", type=int, default=32)
+    ap.add_argument("--out", default=str(RESULTS / "cpu_kernels"))
+    args = ap.parse_args(argv)
+    if cpu_kernels.unavailable_reason() is not None:
+        raise SystemExit(f"cannot compare: {cpu_kernels.unavailable_reason()}")
+    step, experts = {}, {}
+    config = ModelConfig.tiny()
+    with LLM("tiny", decode_instances=1, backend="inline") as llm:
+        for batch in args.batches:
+            prompts = prompts_for(batch, 32, batch)
+            for path in PATHS:  # warm up both paths
+                _with_path(path, partial(decode_step_ms, llm, prompts, 4))
+            step[batch] = paired(partial(decode_step_ms, llm, prompts, args.new_tokens), args.repeats)
+    layers = expert_layers(config, seed=0)
+    for batch in args.batches:
+        experts[batch] = paired(partial(experts_ms, layers, batch, config.num_experts_per_tok, batch), args.repeats)
+    for batch in args.batches:
+        s, e = step[batch], experts[batch]
+        print(
+            f"batch {batch:3d}: decode step {s['ms']['kernels']:.2f} vs {s['ms']['torch']:.2f} ms "
+            f"({s['speedup']:.2f}x); routed experts {e['ms']['kernels']:.3f} vs {e['ms']['torch']:.3f} ms "
+            f"({e['speedup']:.2f}x)"
+        )
+    result = {
+        "benchmark": "fused fp32 CPU kernels vs the torch reference path, paired",
+        "machine": {"cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(), "torch": torch.__version__},
+        "settings": vars(args),
+        "decode_step": {str(b): v for b, v in step.items()},
+        "routed_experts": {str(b): v for b, v in experts.items()},
+        "load_average_1_5_15min": os.getloadavg(),
+    }
+    Path(args.out + ".json").write_text(json.dumps(result, indent=2))
+    lines = [
+        "# Fused fp32 CPU kernels vs their torch reference path (tiny model, CPU)",
+        "",
+        "Command: `python -m nanocp.bench.bench_cpu_kernels`. Measured on this machine, not a model output; each "
+        f"row is the median of {args.repeats} runs per path, the paths alternating run by run in one process.",
+        "",
+        "- decode step: `LLM.generate`, 1 instance (inline), greedy, ms per decode step;",
+        "- routed experts: one MoE layer's `grouped_experts` (16 experts, top-4), the grouped expert kernel vs the "
+        "padded bmm path, weights cold.",
+        "",
+        "| batch | decode step: kernels ms | torch ms | speedup | routed experts: kernel ms | padded bmm ms "
+        "| speedup |",
+        "|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for batch in args.batches:
+        s, e = step[batch], experts[batch]
+        lines.append(
+            f"| {batch} | {s['ms']['kernels']:.2f} | {s['ms']['torch']:.2f} | **{s['speedup']:.2f}x** | "
+            f"{e['ms']['kernels']:.3f} | {e['ms']['torch']:.3f} | **{e['speedup']:.2f}x** |"
+        )
+    Path(args.out + ".md").write_text("\n".join(lines) + "\n")
+    return result
+
+
+if __name__ == "__main__":
+    main()
