@@ -11,8 +11,9 @@ report two rates:
 Each configuration is compared with HF given the same CPU cores: torch threads = the cores the configuration keeps
 busy (1 for the inline backend, min(instances, cores) for processes, whose driver prefills with that many threads
 while the instances wait). The headline is 2 instances on the processes backend (one instance per core, the DP-EP
-deployment shape of a 2-core machine); `--extra N[:backend] ...` adds labelled rows for other configurations (by
-default 4 and 1 inline instances), each interleaved with its own HF runs. The machine's load average is recorded
+deployment shape of a 2-core machine); `--extra N[:backend[:num_steps]] ...` adds labelled rows for other
+configurations (by default the headline with 4 decode steps per driver round trip, and 4 and 1 inline instances),
+each interleaved with its own HF runs. The machine's load average is recorded
 before and after (the machine is shared). A timed nanocp run with the per-phase timing log on writes the
 per-instance phase breakdown (bench/results/decode_tiny_timing.jsonl).
 """
@@ -111,21 +112,42 @@ def phase_breakdown(records) -> dict:
     }
 
 
-def parse_config(spec: str, default_backend: str) -> tuple[int, str]:
-    """ "N" or "N:backend" -> (decode instances, backend)."""
-    count, _, backend = spec.partition(":")
+@dataclass(frozen=True)
+class Config:
+    decode_instances: int
+    backend: str
+    num_steps: int = 1  # decode steps per driver round trip (EngineConfig.num_steps)
+
+    def describe(self) -> str:
+        n = self.decode_instances
+        steps = f", {self.num_steps} decode steps per iteration" if self.num_steps > 1 else ""
+        return f"{n} decode instance{'s' if n > 1 else ''} ({self.backend} backend{steps})"
+
+
+def parse_config(spec: str, default_backend: str) -> Config:
+    """ "N", "N:backend" or "N:backend:num_steps" -> the configuration."""
+    count, _, rest = spec.partition(":")
+    backend, _, steps = rest.partition(":")
     backend = backend or default_backend
-    if not count.isdigit() or int(count) < 1 or backend not in BACKENDS:
-        raise argparse.ArgumentTypeError(f"bad configuration {spec!r}: expected N or N:backend, backend in {BACKENDS}")
-    return int(count), backend
+    steps = steps or "1"
+    if not count.isdigit() or int(count) < 1 or backend not in BACKENDS or not steps.isdigit() or int(steps) < 1:
+        raise argparse.ArgumentTypeError(
+            f"bad configuration {spec!r}: expected N, N:backend or N:backend:num_steps, backend in {BACKENDS}"
+        )
+    return Config(int(count), backend, int(steps))
 
 
-def compare(hf, args, decode_instances: int, backend: str) -> list[dict]:
-    """Per batch: median rates of nanocp (`decode_instances` on `backend`) and of HF on the same cores, over
-    interleaved repeats."""
-    cores = cores_used(decode_instances, backend)
+def compare(hf, args, config: Config) -> list[dict]:
+    """Per batch: median rates of nanocp in `config` and of HF on the same cores, over interleaved repeats."""
+    cores = cores_used(config.decode_instances, config.backend)
     rows = []
-    with LLM("tiny", decode_instances=decode_instances, backend=backend, torch_threads=cores) as llm:
+    with LLM(
+        "tiny",
+        decode_instances=config.decode_instances,
+        backend=config.backend,
+        num_steps=config.num_steps,
+        torch_threads=cores,
+    ) as llm:
         # the engine set this process's torch threads to `cores`: HF runs with as many
         llm.generate(prompts_for(2, 8, 0), SamplingParams(max_tokens=2))  # warm up both sides
         hf_rates(hf, prompts_for(2, 8, 0), 2)
@@ -144,7 +166,7 @@ def compare(hf, args, decode_instances: int, backend: str) -> list[dict]:
             rows.append(row)
             d, e = row["decode"], row["end_to_end"]
             print(
-                f"{decode_instances} instances ({backend}), batch {batch:3d}: decode nanocp {d['nanocp_tok_s']:8.1f} "
+                f"{config.describe()}, batch {batch:3d}: decode nanocp {d['nanocp_tok_s']:8.1f} "
                 f"HF {d['hf_tok_s']:8.1f} tok/s ({d['ratio']:4.2f}x); end-to-end {e['nanocp_tok_s']:8.1f} "
                 f"vs {e['hf_tok_s']:8.1f} ({e['ratio']:4.2f}x)"
             )
@@ -180,8 +202,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument(
         "--extra",
         nargs="*",
-        default=["4:inline", "1:inline"],
-        help="extra rows: other configurations, N or N:backend (default: 4 and 1 instances, inline backend)",
+        default=["2:processes:4", "4:inline", "1:inline"],
+        help="extra rows: other configurations, N, N:backend or N:backend:num_steps (default: the headline with 4 "
+        "decode steps per iteration; 4 and 1 instances, inline backend)",
     )
     ap.add_argument("--out", default=str(RESULTS / "decode_tiny"))
     args = ap.parse_args(argv)
@@ -191,9 +214,10 @@ def main(argv: list[str] | None = None) -> dict:
         save_tiny_checkpoint(ckpt, ModelConfig.tiny())
         hf = DeepseekV3ForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
     load_before = os.getloadavg()
-    rows = compare(hf, args, args.decode_instances, args.backend)
+    headline = Config(args.decode_instances, args.backend)
+    rows = compare(hf, args, headline)
     configs = [parse_config(spec, args.backend) for spec in args.extra]
-    extra = {c: compare(hf, args, *c) for c in configs if c != (args.decode_instances, args.backend)}
+    extra = {c: compare(hf, args, c) for c in configs if c != headline}
     load_after = os.getloadavg()
     with LLM("tiny", decode_instances=args.decode_instances, backend=args.backend, timing=True) as llm:
         llm.generate(prompts_for(16, args.prompt_len, 7), SamplingParams(max_tokens=8, temperature=0.0))
@@ -213,7 +237,7 @@ def main(argv: list[str] | None = None) -> dict:
         },
         "settings": vars(args),
         "rows": rows,
-        "extra_rows": {f"{n} decode instances, {b} backend": r for (n, b), r in extra.items()},
+        "extra_rows": {c.describe(): r for c, r in extra.items()},
         "load_average_1_5_15min": {"before": load_before, "after": load_after},
         "phase_seconds_per_iteration_batch16": phase_breakdown(records),
         "goal": "decode ratio >= 3 at batch 64",
@@ -231,11 +255,11 @@ def main(argv: list[str] | None = None) -> dict:
         "",
         *table(rows),
     ]
-    for (n, backend), extra_rows in extra.items():
+    for c, extra_rows in extra.items():
         lines += [
             "",
-            f"Extra configuration, not the headline: {n} decode instance{'s' if n > 1 else ''} ({backend} backend), "
-            f"HF with {threads(cores_used(n, backend))}, interleaved with its own HF runs:",
+            f"Extra configuration, not the headline: {c.describe()}, "
+            f"HF with {threads(cores_used(c.decode_instances, c.backend))}, interleaved with its own HF runs:",
             "",
             *table(extra_rows),
         ]

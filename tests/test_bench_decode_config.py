@@ -1,0 +1,43 @@
+"""The decode benchmark's configuration specs and the benchmark runner's selection (no benchmark is run)."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from nanocp.bench import run_all
+from nanocp.bench.bench_decode import Config, parse_config
+
+
+@pytest.mark.parametrize(
+    ("spec", "want"),
+    [
+        ("4", Config(4, "processes")),
+        ("1:inline", Config(1, "inline")),
+        ("2:processes:4", Config(2, "processes", 4)),
+        ("3:threads:", Config(3, "threads")),
+    ],
+)
+def test_parse_config(spec, want):
+    assert parse_config(spec, "processes") == want
+
+
+@pytest.mark.parametrize("spec", ["0", "x", "2:gpu", "2:inline:0", "2:inline:x", "-1:inline"])
+def test_parse_config_rejects_bad_specs(spec):
+    with pytest.raises(argparse.ArgumentTypeError, match="bad configuration"):
+        parse_config(spec, "inline")
+
+
+def test_config_describes_its_steps():
+    four_steps = "2 decode instances (processes backend, 4 decode steps per iteration)"
+    assert Config(2, "processes", 4).describe() == four_steps
+    assert Config(1, "inline").describe() == "1 decode instance (inline backend)"
+
+
+def test_run_all_lists_and_refuses_unknown_names(capsys):
+    assert run_all.main(["--list", "--only", "decode", "cpu_kernels"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out == ["decode: -m nanocp.bench.bench_decode", "cpu_kernels: -m nanocp.bench.bench_cpu_kernels"]
+    with pytest.raises(SystemExit):
+        run_all.main(["--only", "nope"])
