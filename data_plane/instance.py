@@ -328,19 +328,19 @@ class DecodeInstance:
                 y = grouped_experts(w.experts, dispatcher.recv_x, received.rows, received.local_expert)
             with timing.phase("combine", i, ctx):
                 dispatcher.combine_send(y, received)
+                base = add_mlp(w.shared, x, h) if w.shared is not None and m else h  # while the peers' experts run
             yield Wait(dispatcher.combine_wait_flags(pending))
             with timing.phase("combine", i, ctx):
-                base = add_mlp(w.shared, x, h) if w.shared is not None and m else h
                 return dispatcher.combine_finish(pending, topk_weights, h.dtype, base=base)
         with timing.phase("experts", i, ctx):
             recv_x, _, handle = dispatcher.dispatch_finish(pending)
             y = self._slab_experts(w, recv_x, handle)
         with timing.phase("combine", i, ctx):
             dispatcher.combine_send(y, topk_idx, topk_weights, handle)
+            base = add_mlp(w.shared, x, h) if w.shared is not None and m else h  # while the peers' experts run
         yield Wait(dispatcher.wait_flags(handle))
         with timing.phase("combine", i, ctx):
-            routed = dispatcher.combine_finish(handle, topk_weights, y.dtype)
-            return (add_mlp(w.shared, x, h) if w.shared is not None and m else h) + routed
+            return base + dispatcher.combine_finish(handle, topk_weights, y.dtype)
 
     def _slab_experts(self, w: DecodeLayerWeights, recv_x: torch.Tensor, handle) -> torch.Tensor:
         """Experts over a static-slab dispatcher's receive buffer [local, slab rows, D] -> outputs in the same
