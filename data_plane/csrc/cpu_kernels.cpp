@@ -527,6 +527,90 @@ void grouped_expert_mlp(F32<2> source, I64<1> rows, I64<1> local, F32<3> gate_up
 
 // ---- shard attention -----------------------------------------------------------------------------------------
 
+// Scores of a tile of HB heads x TB rows: score[h * page + t] = scale * q_h . kv_t. Each dot is summed as `dot`
+// sums it (16-lane partial sums over the chunks, the lane sum, then the tail), so the result is the same; the tile
+// loads each q and kv chunk once for TB or HB products instead of once per product.
+template <int HB, int TB>
+inline void score_tile(const float* q, int64_t q_stride, const float* kv, int64_t dqk, float scale, float* score,
+                       int64_t page) {
+  Lanes acc[HB][TB];
+  for (int h = 0; h < HB; ++h)
+    for (int t = 0; t < TB; ++t) acc[h][t] = Lanes{};
+  int64_t c = 0;
+  for (; c + kLanes <= dqk; c += kLanes) {
+    Lanes k[TB];
+    for (int t = 0; t < TB; ++t) k[t] = load_lanes(kv + t * dqk + c);
+    for (int h = 0; h < HB; ++h) {
+      const Lanes qv = load_lanes(q + h * q_stride + c);
+      for (int t = 0; t < TB; ++t) acc[h][t] += qv * k[t];
+    }
+  }
+  for (int h = 0; h < HB; ++h)
+    for (int t = 0; t < TB; ++t) {
+      float sum = lane_sum(acc[h][t]);
+      for (int64_t i = c; i < dqk; ++i) sum += q[h * q_stride + i] * kv[t * dqk + i];
+      score[h * page + t] = scale * sum;
+    }
+}
+
+template <int HB>
+inline void score_rows(const float* q, int64_t q_stride, const float* kv, int64_t rows, int64_t dqk, float scale,
+                       float* score, int64_t page) {
+  int64_t t = 0;
+  for (; t + 4 <= rows; t += 4) score_tile<HB, 4>(q, q_stride, kv + t * dqk, dqk, scale, score + t, page);
+  for (; t < rows; ++t) score_tile<HB, 1>(q, q_stride, kv + t * dqk, dqk, scale, score + t, page);
+}
+
+// score [H, page] <- the scaled scores of a page's first `rows` kv rows for every head (q rows q_stride apart).
+void page_scores(const float* q, int64_t q_stride, int64_t heads, const float* kv, int64_t rows, int64_t dqk,
+                 float scale, float* score, int64_t page) {
+  for (int64_t h = 0; h < heads; h += 4) {
+    const float* qh = q + h * q_stride;
+    float* sh = score + h * page;
+    switch (std::min<int64_t>(4, heads - h)) {
+      case 4: score_rows<4>(qh, q_stride, kv, rows, dqk, scale, sh, page); break;
+      case 3: score_rows<3>(qh, q_stride, kv, rows, dqk, scale, sh, page); break;
+      case 2: score_rows<2>(qh, q_stride, kv, rows, dqk, scale, sh, page); break;
+      default: score_rows<1>(qh, q_stride, kv, rows, dqk, scale, sh, page); break;
+    }
+  }
+}
+
+// acc[h, :v_dim] += sum over the page's rows t of weight[h * page + t] * v_t, for HB heads from h: each element
+// summed over t in order (as a row-by-row loop would), each v chunk loaded once for the HB heads.
+template <int HB>
+inline void value_heads(const float* weight, int64_t page, const float* kv, int64_t rows, int64_t dqk, int64_t v_dim,
+                        float* acc) {
+  int64_t i = 0;
+  for (; i + kLanes <= v_dim; i += kLanes) {
+    Lanes a[HB];
+    for (int h = 0; h < HB; ++h) a[h] = load_lanes(acc + h * v_dim + i);
+    for (int64_t t = 0; t < rows; ++t) {
+      const Lanes v = load_lanes(kv + t * dqk + i);
+      for (int h = 0; h < HB; ++h) a[h] += weight[h * page + t] * v;
+    }
+    for (int h = 0; h < HB; ++h) std::memcpy(acc + h * v_dim + i, &a[h], sizeof(Lanes));
+  }
+  for (; i < v_dim; ++i)
+    for (int h = 0; h < HB; ++h)
+      for (int64_t t = 0; t < rows; ++t) acc[h * v_dim + i] += weight[h * page + t] * kv[t * dqk + i];
+}
+
+// acc [H, v_dim] += weight [H, page] (a page's softmax numerators) x its rows' first v_dim values.
+void page_values(const float* weight, int64_t page, int64_t heads, const float* kv, int64_t rows, int64_t dqk,
+                 int64_t v_dim, float* acc) {
+  for (int64_t h = 0; h < heads; h += 4) {
+    const float* wh = weight + h * page;
+    float* ah = acc + h * v_dim;
+    switch (std::min<int64_t>(4, heads - h)) {
+      case 4: value_heads<4>(wh, page, kv, rows, dqk, v_dim, ah); break;
+      case 3: value_heads<3>(wh, page, kv, rows, dqk, v_dim, ah); break;
+      case 2: value_heads<2>(wh, page, kv, rows, dqk, v_dim, ah); break;
+      default: value_heads<1>(wh, page, kv, rows, dqk, v_dim, ah); break;
+    }
+  }
+}
+
 // MLA decode attention of each shard over its pages, straight from the paged pool (no gather): the H query heads
 // of shard s attend over its lens[s] latent rows, one KV head shared by all (k = the whole row, v = its first
 // v_dim values). q [S, H, Dqk], kv_pages [P, page, Dqk], block_table [S, B] (page ids), lens [S] ->
@@ -576,8 +660,7 @@ void mla_paged_attention(F32<3> q, F32<3> kv_pages, I32<2> block_table, I64<1> l
     for (int64_t first = 0; first < len; first += page) {
       const int64_t rows = std::min(page, len - first);
       const float* kv = kv_pages.data() + static_cast<int64_t>(table[first / page]) * page * dqk;
-      for (int64_t t = 0; t < rows; ++t)
-        for (int64_t h = 0; h < heads; ++h) score[h * page + t] = scale * dot(qs + h * q.stride(1), kv + t * dqk, dqk);
+      page_scores(qs, q.stride(1), heads, kv, rows, dqk, scale, score.data(), page);
       for (int64_t h = 0; h < heads; ++h) {
         float* w = score.data() + h * page;
         const float page_top = largest(w, rows);
@@ -590,14 +673,7 @@ void mla_paged_attention(F32<3> q, F32<3> kv_pages, I32<2> block_table, I64<1> l
         for (int64_t t = 0; t < rows; ++t) w[t] = fast_exp(w[t] - top[h]);  // vectorizes: no reduction
         sum[h] += total(w, rows);
       }
-      for (int64_t t = 0; t < rows; ++t) {
-        const float* v = kv + t * dqk;
-        for (int64_t h = 0; h < heads; ++h) {
-          const float wt = score[h * page + t];
-          float* a = acc.data() + h * v_dim;
-          for (int64_t i = 0; i < v_dim; ++i) a[i] += wt * v[i];
-        }
-      }
+      page_values(score.data(), page, heads, kv, rows, dqk, v_dim, acc.data());
     }
     for (int64_t h = 0; h < heads; ++h) {
       float* out = o.data() + s * o.stride(0) + h * o.stride(1);
