@@ -5,8 +5,9 @@ segment per registered buffer, named `ncp<session>_<rank>_f` / `ncp<session>_<ra
 memcpy into the peer's mapped buffer; a signal is one aligned 8-byte store into the peer's flag segment,
 issued after the put's copy has returned, so a reader that sees the flag sees the rows (store order is
 preserved on x86-64's TSO memory model; weaker CPUs would need a fence that Python cannot issue, so on them
-run this backend only with payloads that carry their own checksum). Waiting polls the flag with a short spin
-and then a 10 us..200 us sleep backoff. The creating rank unlinks its segments in `close()`;
+run this backend only with payloads that carry their own checksum). Waiting polls the flag without sleeping for
+up to POLL_SPIN_S (2 ms: each rank has its own core, and a sleeping process wakes late on a VM), then with a
+10 us..200 us sleep backoff. The creating rank unlinks its segments in `close()`;
 `ShmFabric.cleanup(info)` removes what a crashed session left.
 """
 

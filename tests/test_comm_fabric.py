@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -18,6 +19,7 @@ from nanocp.comm import (
     ShmFabric,
     TorchDistFabric,
 )
+from nanocp.comm.fabric import poll_until
 from nanocp.comm.launch import run_processes, run_threads
 
 ROW = (2, 3)  # row shape of the test buffers
@@ -265,3 +267,24 @@ def test_torch_distributed_fabric_across_processes():
 def test_torch_dist_fabric_needs_initialised_group():
     with pytest.raises(FabricError, match="init_process_group"):
         TorchDistFabric()
+
+
+# ---- polling ----------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("spin_s", [0.0, 0.05])
+def test_poll_until_sees_a_value_set_during_the_spin_or_the_sleeps(spin_s):
+    """A flag set by another thread 5 ms in is seen (within the spin, or by the sleep backoff after it)."""
+    box = [0]
+    setter = threading.Timer(0.005, lambda: box.__setitem__(0, 7))
+    setter.start()
+    start = time.monotonic()
+    seen = poll_until(lambda: box[0], 5, start + 10.0, spin_s=spin_s)
+    setter.join()
+    assert seen == 7 and time.monotonic() - start < 5.0
+
+
+def test_poll_until_keeps_the_deadline_even_inside_the_spin():
+    start = time.monotonic()
+    seen = poll_until(lambda: 3, 4, start + 0.01, spin_s=30.0)
+    assert seen == 3 and time.monotonic() - start < 2.0  # the spin is cut at the deadline, not run for 30 s
