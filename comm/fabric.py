@@ -30,9 +30,10 @@ POLL_SLEEP_S = (1e-5, 2e-4)  # first and longest sleep between polls once the sp
 # How long a waiter polls without sleeping. A peer at an exchange is usually well under this behind, and a sleeping
 # process costs more than its sleep on a VM: its idle vCPU is descheduled by the host and the wake-up can take far
 # longer than the wait. 2-process decode on this project's 2-vCPU VM, paired runs against a 20 us spin: 5 of 6 pairs
-# faster (medians 1.3-3.1x) in a quiet spell, 1 of 3 in a spell when the host was busy. Each waiter is meant to have
-# its own core; callers that may share a core with the peer pass a short spin_s.
+# faster (medians 1.4-3.1x) in a quiet spell, 1 of 3 in a spell when the host was busy. Each waiter is meant to have
+# its own core; callers that may share a core with the peer pass SHARED_CORE_SPIN_S.
 POLL_SPIN_S = 2e-3
+SHARED_CORE_SPIN_S = 2e-5
 
 
 class FabricError(RuntimeError):

@@ -34,9 +34,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 from nanocp.comm import _shm
-from nanocp.comm.fabric import poll_until
-
-DOORBELL_SPIN_S = 2e-5
+from nanocp.comm.fabric import SHARED_CORE_SPIN_S, poll_until
 
 MAGIC = b"NCPM"
 VERSION = 1
@@ -215,7 +213,7 @@ class ShmContextBuffer(ContextBuffer):
     def wait_doorbell(self, seen: int, deadline: float) -> int:
         # A short spin: the driver pushes the table before it tells the instance to run, so the doorbell has
         # normally rung already, and a receiver that does wait may share its core with the sender.
-        return poll_until(lambda: self._words[0], seen + 1, deadline, spin_s=DOORBELL_SPIN_S)
+        return poll_until(lambda: self._words[0], seen + 1, deadline, spin_s=SHARED_CORE_SPIN_S)
 
     def snapshot(self) -> tuple[int, bytes, bytes] | None:
         doorbell = self._words[0]

@@ -6,13 +6,14 @@ memcpy into the peer's mapped buffer; a signal is one aligned 8-byte store into 
 issued after the put's copy has returned, so a reader that sees the flag sees the rows (store order is
 preserved on x86-64's TSO memory model; weaker CPUs would need a fence that Python cannot issue, so on them
 run this backend only with payloads that carry their own checksum). Waiting polls the flag without sleeping for
-up to POLL_SPIN_S (2 ms: each rank has its own core, and a sleeping process wakes late on a VM), then with a
-10 us..200 us sleep backoff. The creating rank unlinks its segments in `close()`;
-`ShmFabric.cleanup(info)` removes what a crashed session left.
+up to the session's spin_s (2 ms when every rank can have a core of its own: a sleeping process wakes late on a VM;
+20 us when ranks share cores), then with a 10 us..200 us sleep backoff. The creating rank unlinks its segments in
+`close()`; `ShmFabric.cleanup(info)` removes what a crashed session left.
 """
 
 from __future__ import annotations
 
+import os
 import secrets
 import time
 from dataclasses import dataclass
@@ -20,7 +21,16 @@ from dataclasses import dataclass
 import torch
 
 from nanocp.comm import _shm
-from nanocp.comm.fabric import DEFAULT_TIMEOUT_S, BufferSpec, Fabric, FabricError, FabricTimeout, poll_until
+from nanocp.comm.fabric import (
+    DEFAULT_TIMEOUT_S,
+    POLL_SPIN_S,
+    SHARED_CORE_SPIN_S,
+    BufferSpec,
+    Fabric,
+    FabricError,
+    FabricTimeout,
+    poll_until,
+)
 
 
 @dataclass(frozen=True)
@@ -30,6 +40,7 @@ class ShmFabricInfo:
     session: str
     world_size: int
     num_flags: int = 256
+    spin_s: float = POLL_SPIN_S  # how long a waiter polls before sleeping (fabric.POLL_SPIN_S)
 
     @property
     def prefix(self) -> str:
@@ -46,10 +57,17 @@ class ShmFabric(Fabric):
     """Rank `rank` of the fabric described by `info`; construct one per process (or thread)."""
 
     @staticmethod
-    def new_session(world_size: int, num_flags: int = 256) -> ShmFabricInfo:
+    def new_session(world_size: int, num_flags: int = 256, spin_s: float | None = None) -> ShmFabricInfo:
+        """A new session. spin_s defaults to POLL_SPIN_S when every rank can have a core of its own (world_size <=
+        the cores this process may run on), else to SHARED_CORE_SPIN_S: a waiter spinning on a core its peer needs
+        would only slow the peer down."""
         if world_size < 1 or num_flags < 1:
             raise ValueError(f"need world_size >= 1 and num_flags >= 1, got {world_size}, {num_flags}")
-        return ShmFabricInfo(secrets.token_hex(6), world_size, num_flags)
+        if spin_s is None:
+            spin_s = POLL_SPIN_S if world_size <= len(os.sched_getaffinity(0)) else SHARED_CORE_SPIN_S
+        if not spin_s >= 0:
+            raise ValueError(f"spin_s must be >= 0, got {spin_s}")
+        return ShmFabricInfo(secrets.token_hex(6), world_size, num_flags, float(spin_s))
 
     @staticmethod
     def segments(info: ShmFabricInfo) -> list[str]:
@@ -124,7 +142,7 @@ class ShmFabric(Fabric):
 
     def _wait(self, flag: int, value: int, timeout_s: float) -> int:
         view = self._flag_views[self.rank]
-        seen = poll_until(lambda: view[flag], value, time.monotonic() + timeout_s)
+        seen = poll_until(lambda: view[flag], value, time.monotonic() + timeout_s, spin_s=self.info.spin_s)
         if seen < value:
             raise FabricTimeout(flag, self.rank, value, seen, timeout_s)
         return seen

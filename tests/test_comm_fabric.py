@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 
@@ -19,7 +20,7 @@ from nanocp.comm import (
     ShmFabric,
     TorchDistFabric,
 )
-from nanocp.comm.fabric import poll_until
+from nanocp.comm.fabric import POLL_SPIN_S, SHARED_CORE_SPIN_S, poll_until
 from nanocp.comm.launch import run_processes, run_threads
 
 ROW = (2, 3)  # row shape of the test buffers
@@ -28,7 +29,7 @@ ROW = (2, 3)  # row shape of the test buffers
 def make_fabrics(backend: str, world: int, num_flags: int = 16):
     if backend == "inprocess":
         return InProcessFabric.create(world, num_flags=num_flags)
-    info = ShmFabric.new_session(world, num_flags=num_flags)
+    info = ShmFabric.new_session(world, num_flags=num_flags, spin_s=0.0)  # ranks are threads: no spin under the GIL
     return run_threads(lambda r: ShmFabric(info, r), world, timeout_s=30)
 
 
@@ -288,3 +289,12 @@ def test_poll_until_keeps_the_deadline_even_inside_the_spin():
     start = time.monotonic()
     seen = poll_until(lambda: 3, 4, start + 0.01, spin_s=30.0)
     assert seen == 3 and time.monotonic() - start < 2.0  # the spin is cut at the deadline, not run for 30 s
+
+
+def test_shm_session_spins_only_when_every_rank_can_have_its_own_core():
+    cores = len(os.sched_getaffinity(0))
+    assert ShmFabric.new_session(cores).spin_s == POLL_SPIN_S
+    assert ShmFabric.new_session(cores + 1).spin_s == SHARED_CORE_SPIN_S
+    assert ShmFabric.new_session(2, spin_s=0.0).spin_s == 0.0
+    with pytest.raises(ValueError, match="spin_s must be >= 0"):
+        ShmFabric.new_session(2, spin_s=-1.0)
