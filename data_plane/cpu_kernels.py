@@ -1,9 +1,11 @@
 """Fused fp32 CPU kernels of the eager decode path (C++: data_plane/csrc/cpu_kernels.cpp), as torch functions.
 
 Each kernel replaces a run of small torch ops between two GEMMs (norms, rope, SwiGLU, the MoE gate's top-k, the
-weighted combine); on CPU a torch op costs microseconds whatever its size, so at decode batch sizes those runs
-cost more than the GEMMs. The torch formulation in decode_layers.py / moe_exchange.py stays the reference and the
-path for every other dtype and device; tests/test_cpu_kernels.py compares the two.
+weighted combine, the paged attention); on CPU a torch op costs microseconds whatever its size, so at decode batch
+sizes those runs cost more than the GEMMs. The routed experts are the one place the kernels run GEMMs themselves
+(grouped_expert_mlp: every local expert's small GEMM pair on its own tokens, unpadded, in one call). The torch
+formulation in decode_layers.py / moe_exchange.py stays the reference and the path for every other dtype and
+device; tests/test_cpu_kernels.py compares the two.
 
 `usable(t)` says whether a tensor can take the fused path: fp32, on CPU, the extension built, and the path not
 switched off with NANOCP_CPU_KERNELS=0 (or `set_enabled(False)`, which tests and the benchmark use to run the
