@@ -7,7 +7,7 @@ import argparse
 import pytest
 
 from nanocp.bench import run_all
-from nanocp.bench.bench_decode import Config, parse_config
+from nanocp.bench.bench_decode import Config, parse_config, table
 
 
 @pytest.mark.parametrize(
@@ -41,3 +41,10 @@ def test_run_all_lists_and_refuses_unknown_names(capsys):
     assert out == ["decode: -m nanocp.bench.bench_decode", "cpu_kernels: -m nanocp.bench.bench_cpu_kernels"]
     with pytest.raises(SystemExit):
         run_all.main(["--only", "nope"])
+
+
+def test_table_shows_the_median_ratio_and_the_spread_over_pairs():
+    decode = {"nanocp_tok_s": 300.0, "hf_tok_s": 100.0, "ratio": 3.0, "runs": [[300.0, 200.0, 500.0], [100.0] * 3]}
+    e2e = {"nanocp_tok_s": 250.0, "hf_tok_s": 100.0, "ratio": 2.5, "runs": [[250.0], [100.0]]}
+    lines = table([{"batch": 64, "decode": decode, "end_to_end": e2e}])
+    assert lines[-1] == "| 64 | 300.0 | 100.0 | **3.00x** | 2.00-5.00x | 250.0 | 100.0 | 2.50x |"
