@@ -25,12 +25,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from nanocp import LLM, SamplingParams
+from nanocp import LLM
 from nanocp.data_plane import cpu_kernels
 from nanocp.data_plane import decode_layers as dl
 from nanocp.models import ModelConfig
 
-from .bench_decode import RESULTS, prompts_for
+from .bench_decode import RESULTS, nanocp_rates, prompts_for
 
 PATHS = ("kernels", "torch")
 COLD_LAYERS = 12  # 12 layers x 16 experts x 384 KB = 75 MB of expert weights: more than the caches keep
@@ -45,10 +45,8 @@ def _with_path(path: str, fn):
 
 
 def decode_step_ms(llm: LLM, prompts: list[list[int]], new_tokens: int) -> float:
-    outs = llm.generate(prompts, SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True))
-    first = max(o.metrics.token_times[0] for o in outs)
-    last = max(o.metrics.token_times[-1] for o in outs)
-    return (last - first) / (new_tokens - 1) * 1e3
+    """Milliseconds per decode step: the batch over bench_decode's decode tokens/s."""
+    return len(prompts) / nanocp_rates(llm, prompts, new_tokens).decode * 1e3
 
 
 def expert_layers(c: ModelConfig, seed: int) -> list[dl.GroupedExperts]:

@@ -385,11 +385,10 @@ def grouped_experts(
     large = n >= SEGMENT_MIN_ROWS * num_experts
     if not large and cpu_kernels.grouped_expert_mlp_usable(source, experts.gate_up, experts.down):
         return cpu_kernels.grouped_expert_mlp(source, rows, local, experts.gate_up, experts.down)
-    segments = n < 2 * num_experts or large
     counts = np.bincount(local, minlength=num_experts)
     order = np.argsort(local, kind="stable")
     starts = np.cumsum(counts) - counts
-    if segments:
+    if n < 2 * num_experts or large:
         xs = source.index_select(0, torch.from_numpy(rows[order]).to(source.device))  # [N, D] sorted by expert
         ys = torch.empty_like(xs)
         for e in np.nonzero(counts)[0].tolist():
@@ -403,14 +402,6 @@ def grouped_experts(
     slot[order] = local[order] * width + np.arange(n) - starts[local[order]]  # padded slot of token i
     padded_rows = np.zeros(num_experts * width, dtype=np.int64)
     padded_rows[slot] = rows
-    return _padded_experts(experts, source, padded_rows, slot, width)
-
-
-def _padded_experts(
-    experts: GroupedExperts, source: torch.Tensor, padded_rows: np.ndarray, slot: np.ndarray, width: int
-) -> torch.Tensor:
-    """padded_rows [E * width] (source rows, 0 in the padding), slot [N] (each token's padded row) -> y [N, D]."""
-    num_experts = experts.gate_up.shape[0]
     xp = source.index_select(0, torch.from_numpy(padded_rows).to(source.device)).view(num_experts, width, -1)
     yp = torch.bmm(swiglu(torch.bmm(xp, experts.gate_up)), experts.down)  # [E, width, D]
     return yp.view(num_experts * width, -1).index_select(0, torch.from_numpy(slot).to(yp.device))

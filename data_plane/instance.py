@@ -328,7 +328,7 @@ class DecodeInstance:
                 y = grouped_experts(w.experts, dispatcher.recv_x, received.rows, received.local_expert)
             with timing.phase("combine", i, ctx):
                 dispatcher.combine_send(y, received)
-                base = add_mlp(w.shared, x, h) if w.shared is not None and m else h  # while the peers' experts run
+                base = _with_shared_expert(w, x, h)  # while the peers' experts run
             yield Wait(dispatcher.combine_wait_flags(pending))
             with timing.phase("combine", i, ctx):
                 return dispatcher.combine_finish(pending, topk_weights, h.dtype, base=base)
@@ -337,7 +337,7 @@ class DecodeInstance:
             y = self._slab_experts(w, recv_x, handle)
         with timing.phase("combine", i, ctx):
             dispatcher.combine_send(y, topk_idx, topk_weights, handle)
-            base = add_mlp(w.shared, x, h) if w.shared is not None and m else h  # while the peers' experts run
+            base = _with_shared_expert(w, x, h)  # while the peers' experts run
         yield Wait(dispatcher.wait_flags(handle))
         with timing.phase("combine", i, ctx):
             return base + dispatcher.combine_finish(handle, topk_weights, y.dtype)
@@ -391,6 +391,11 @@ class DecodeInstance:
     def _next_seq(self) -> int:
         self._seq += 1
         return self._seq
+
+
+def _with_shared_expert(w: DecodeLayerWeights, x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+    """h [m, D] plus the layer's shared expert of x (h itself without a shared expert or rows)."""
+    return add_mlp(w.shared, x, h) if w.shared is not None and len(h) else h
 
 
 def _expert_rows(handle, local: int, max_tokens: int) -> torch.Tensor:

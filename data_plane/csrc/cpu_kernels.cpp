@@ -18,6 +18,7 @@
 #include <cstring>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 namespace nb = nanobind;
@@ -56,6 +57,21 @@ inline Lanes load_lanes(const float* p) {
   Lanes v;
   std::memcpy(&v, p, sizeof v);
   return v;
+}
+
+// Calls f(std::integral_constant<int, B>{}, first) for the blocks [first, first + B) that cover [0, n), B = Max
+// except for a shorter last block: the block size is a compile-time constant, so a register tile can be sized by it.
+template <int B, typename F>
+inline void call_block(int64_t size, int64_t first, F& f) {
+  if constexpr (B > 0) {
+    if (size == B) return f(std::integral_constant<int, B>{}, first);
+    call_block<B - 1>(size, first, f);
+  }
+}
+
+template <int Max, typename F>
+inline void in_blocks(int64_t n, F&& f) {
+  for (int64_t first = 0; first < n; first += Max) call_block<Max>(std::min<int64_t>(Max, n - first), first, f);
 }
 
 typedef float HalfLanes __attribute__((vector_size(32)));
@@ -407,7 +423,7 @@ int64_t moe_dispatch_layout(I64<2> topk_idx, int64_t num_experts, int64_t ranks,
 
 // ---- grouped expert MLP ---------------------------------------------------------------------------------------
 
-// C rows [m, 16 * NV] = A rows [m, k] @ B[k, 16 * NV] (B rows ldb apart), m <= MR. Rows are given by pointer, so a
+// C rows [MR, 16 * NV] = A rows [MR, k] @ B[k, 16 * NV] (B rows ldb apart). Rows are given by pointer, so a
 // token's input row is read where it was received and its output written where the caller wants it (no gather,
 // no scatter). MR x NV accumulators stay in registers over the whole k loop; each B vector is used MR times.
 template <int MR, int NV>
@@ -430,39 +446,20 @@ inline void gemm_tile(int64_t k, const float* const* a, const float* b, int64_t 
     for (int j = 0; j < NV; ++j) std::memcpy(c[i] + kLanes * j, &acc[i][j], sizeof(Lanes));
 }
 
-// A tile of m < MR rows: the largest tile that fits (the row count is a run-time value, the tile a template).
-template <int MR, int NV>
-inline void gemm_rows_tile(int64_t m, int64_t k, const float* const* a, const float* b, int64_t ldb, float* const* c) {
-  if constexpr (MR > 0) {
-    if (m >= MR) return gemm_tile<MR, NV>(k, a, b, ldb, c);
-    gemm_rows_tile<MR - 1, NV>(m, k, a, b, ldb, c);
-  }
-}
-
 constexpr int kTileRows = 6;   // 6 rows x 4 vectors = 24 accumulators + 4 B vectors: 28 of the 32 registers
 constexpr int kTileVectors = 4;
 
 // C rows [m, n] = A rows [m, k] @ B [k, n] (B rows ldb apart; n a multiple of 16). Column blocks outside, row tiles
 // inside: a column block of B (k x 64 floats) is read from cache by every row tile.
 void gemm_rows(int64_t m, int64_t n, int64_t k, const float* const* a, const float* b, int64_t ldb, float* const* c) {
-  const float* a_tile[kTileRows];
-  float* c_tile[kTileRows];
-  for (int64_t col = 0; col < n; col += kLanes * kTileVectors) {
-    const int64_t vectors = std::min<int64_t>(kTileVectors, (n - col) / kLanes);
-    for (int64_t row = 0; row < m; row += kTileRows) {
-      const int64_t rows = std::min<int64_t>(kTileRows, m - row);
-      for (int64_t t = 0; t < rows; ++t) {
-        a_tile[t] = a[row + t];
-        c_tile[t] = c[row + t] + col;
-      }
-      switch (vectors) {
-        case 4: gemm_rows_tile<kTileRows, 4>(rows, k, a_tile, b + col, ldb, c_tile); break;
-        case 3: gemm_rows_tile<kTileRows, 3>(rows, k, a_tile, b + col, ldb, c_tile); break;
-        case 2: gemm_rows_tile<kTileRows, 2>(rows, k, a_tile, b + col, ldb, c_tile); break;
-        default: gemm_rows_tile<kTileRows, 1>(rows, k, a_tile, b + col, ldb, c_tile); break;
-      }
-    }
-  }
+  in_blocks<kTileVectors>(n / kLanes, [&](auto vectors, int64_t first_vector) {
+    const int64_t col = first_vector * kLanes;
+    in_blocks<kTileRows>(m, [&](auto rows, int64_t row) {
+      float* c_tile[kTileRows];
+      for (int t = 0; t < decltype(rows)::value; ++t) c_tile[t] = c[row + t] + col;
+      gemm_tile<decltype(rows)::value, decltype(vectors)::value>(k, a + row, b + col, ldb, c_tile);
+    });
+  });
 }
 
 // The routed experts of a decode batch without padding (the CPU counterpart of a grouped GEMM over a contiguous
@@ -553,27 +550,17 @@ inline void score_tile(const float* q, int64_t q_stride, const float* kv, int64_
     }
 }
 
-template <int HB>
-inline void score_rows(const float* q, int64_t q_stride, const float* kv, int64_t rows, int64_t dqk, float scale,
-                       float* score, int64_t page) {
-  int64_t t = 0;
-  for (; t + 4 <= rows; t += 4) score_tile<HB, 4>(q, q_stride, kv + t * dqk, dqk, scale, score + t, page);
-  for (; t < rows; ++t) score_tile<HB, 1>(q, q_stride, kv + t * dqk, dqk, scale, score + t, page);
-}
-
 // score [H, page] <- the scaled scores of a page's first `rows` kv rows for every head (q rows q_stride apart).
 void page_scores(const float* q, int64_t q_stride, int64_t heads, const float* kv, int64_t rows, int64_t dqk,
                  float scale, float* score, int64_t page) {
-  for (int64_t h = 0; h < heads; h += 4) {
+  in_blocks<4>(heads, [&](auto hb, int64_t h) {
+    constexpr int HB = decltype(hb)::value;
     const float* qh = q + h * q_stride;
     float* sh = score + h * page;
-    switch (std::min<int64_t>(4, heads - h)) {
-      case 4: score_rows<4>(qh, q_stride, kv, rows, dqk, scale, sh, page); break;
-      case 3: score_rows<3>(qh, q_stride, kv, rows, dqk, scale, sh, page); break;
-      case 2: score_rows<2>(qh, q_stride, kv, rows, dqk, scale, sh, page); break;
-      default: score_rows<1>(qh, q_stride, kv, rows, dqk, scale, sh, page); break;
-    }
-  }
+    int64_t t = 0;  // rows in tiles of 4, the rest one by one (a tile per tail size made the loop slower)
+    for (; t + 4 <= rows; t += 4) score_tile<HB, 4>(qh, q_stride, kv + t * dqk, dqk, scale, sh + t, page);
+    for (; t < rows; ++t) score_tile<HB, 1>(qh, q_stride, kv + t * dqk, dqk, scale, sh + t, page);
+  });
 }
 
 // acc[h, :v_dim] += sum over the page's rows t of weight[h * page + t] * v_t, for HB heads from h: each element
@@ -599,16 +586,9 @@ inline void value_heads(const float* weight, int64_t page, const float* kv, int6
 // acc [H, v_dim] += weight [H, page] (a page's softmax numerators) x its rows' first v_dim values.
 void page_values(const float* weight, int64_t page, int64_t heads, const float* kv, int64_t rows, int64_t dqk,
                  int64_t v_dim, float* acc) {
-  for (int64_t h = 0; h < heads; h += 4) {
-    const float* wh = weight + h * page;
-    float* ah = acc + h * v_dim;
-    switch (std::min<int64_t>(4, heads - h)) {
-      case 4: value_heads<4>(wh, page, kv, rows, dqk, v_dim, ah); break;
-      case 3: value_heads<3>(wh, page, kv, rows, dqk, v_dim, ah); break;
-      case 2: value_heads<2>(wh, page, kv, rows, dqk, v_dim, ah); break;
-      default: value_heads<1>(wh, page, kv, rows, dqk, v_dim, ah); break;
-    }
-  }
+  in_blocks<4>(heads, [&](auto hb, int64_t h) {
+    value_heads<decltype(hb)::value>(weight + h * page, page, kv, rows, dqk, v_dim, acc + h * v_dim);
+  });
 }
 
 // MLA decode attention of each shard over its pages, straight from the paged pool (no gather): the H query heads
