@@ -223,6 +223,7 @@ def run_sweep(cfg: SweepConfig, log=print) -> tuple[list[StepSample], list[Any]]
             kv_capacity_tokens=cfg.kv_capacity_tokens(),
             page_size=cfg.page_size,
             max_batch_per_instance=max(cfg.batch_sizes),
+            overlap=False,  # each timed step runs its own plan's iteration
         )
         try:
             recorder = StepRecorder(llm.engine)

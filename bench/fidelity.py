@@ -87,6 +87,7 @@ def run_once(
         cp_buckets=CPBucketTable(cfg.cp_max_lens, cfg.cp_degrees),
         kv_capacity_tokens=cfg.kv_capacity_tokens,
         timing=timing_log is not None,
+        overlap=False,  # each timed step runs its own plan's iteration
     )
     try:
         engine = llm.engine

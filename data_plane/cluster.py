@@ -19,7 +19,7 @@ import traceback
 from collections.abc import Callable, Generator
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor
 from concurrent.futures import wait as futures_wait
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from multiprocessing import connection as mp_connection
 
 import numpy as np
@@ -35,6 +35,7 @@ from nanocp.comm.metadata_channel import (
 )
 from nanocp.comm.shm_fabric import ShmFabric
 from nanocp.control_plane.lowering import BASE_SEQ_SLOT, FULL_SLOT, RoutingTables
+from nanocp.control_plane.scheduler import StalePlanError
 from nanocp.models import load_config, load_model
 
 from .block_store import StaleBlockTableError
@@ -309,7 +310,7 @@ def drive_cooperatively(
     return outputs
 
 
-def _process_main(cfg: ClusterConfig, rank: int, fabric_info, pool_kv: torch.Tensor, conn) -> None:
+def _process_main(cfg: ClusterConfig, rank: int, fabric_info, pool_kv: torch.Tensor, taken: torch.Tensor, conn) -> None:
     torch.set_num_threads(1)
     try:
         fabric = ShmFabric(fabric_info, rank)
@@ -332,37 +333,62 @@ def _process_main(cfg: ClusterConfig, rank: int, fabric_info, pool_kv: torch.Ten
                 if tables.last_seq != seq:
                     raise MetadataChannelError(f"expected routing table {seq}, got {tables.last_seq}")
             except MetadataChannelError as e:  # lost, torn, corrupt, stale or duplicated push: ask for it again
-                conn.send(("resync", f"{type(e).__name__}: {e}"))
+                conn.send(("resync", seq, f"{type(e).__name__}: {e}"))
                 continue
+            taken[rank] = seq  # the context buffer is free for the next table (the driver may queue one)
             try:
                 out = instance.run_iteration(RoutingTables.parse(table), rows, return_logits)
-                conn.send(("ok", out, instance.timing.records))
+                conn.send(("ok", seq, out, instance.timing.records))
                 instance.timing.records = []
             except StaleBlockTableError as e:  # refused before any exchange: the driver may send a full snapshot
-                conn.send(("stale", f"{type(e).__name__}: {e}"))
+                conn.send(("stale", seq, f"{type(e).__name__}: {e}"))
             except Exception as e:  # noqa: BLE001 - reported to the driver, the instance keeps serving
-                conn.send(("error", f"{type(e).__name__}: {e}", isinstance(e, FabricTimeout)))
+                conn.send(("error", seq, f"{type(e).__name__}: {e}", isinstance(e, FabricTimeout)))
     finally:
         tables.close()
         fabric.close()
 
 
+@dataclass
+class Launch:
+    """One iteration sent to every instance of a ProcessCluster, until `collect` has every instance's answer."""
+
+    sent: list[np.ndarray]  # the table each instance got (a stale incremental one is replaced by its snapshot)
+    rows: list[dict[int, RowInput]]
+    return_logits: bool
+    full_tables: FullTables | None
+    deadline: float
+    retries: list[int]  # resends so far, per instance
+    answers: dict[int, tuple] = field(default_factory=dict)  # instance -> ("ok", outputs, records) | ("error", ...)
+
+
 class ProcessCluster(_LocalPools):
-    """One process per instance (spawned), a shared-memory fabric between them; KV pools in shared memory."""
+    """One process per instance (spawned), a shared-memory fabric between them; KV pools in shared memory.
+
+    An iteration is `launch`ed (each instance's table pushed, its inputs sent) and later `collect`ed; up to two may
+    be outstanding, so the driver can plan and send iteration t + 1 while the instances run t (overlapped
+    iterations, the engine's `overlap` option). An instance's metadata context buffer holds one table: the next
+    one is pushed only once the instance has taken the last (`taken`, a shared counter the instance sets after
+    copying and validating it) or given it up (a resync answer). Answers carry the push's sequence number, so an
+    answer to a resend or to the queued iteration is matched to its launch whatever order it comes in."""
 
     incremental_tables = True  # run_iteration takes full_tables (see the module docstring)
+    overlaps = True  # launch / collect: an iteration can be queued behind the running one
+    max_outstanding = 2
 
     def __init__(self, cfg: ClusterConfig, start_timeout_s: float = 120.0) -> None:
         self.cfg = cfg
         self.feed = TableFeed(cfg.num_instances)
         self.pools = allocate_pools(cfg, shared=True)
         self._info = ShmFabric.new_session(cfg.num_instances, num_flags=64)
+        self._taken = torch.zeros(cfg.num_instances, dtype=torch.int64).share_memory_()
         ctx = mp.get_context("spawn")
         self._conns, self._procs = [], []
         self._lost: set[int] = set()  # instances whose pipe closed: their process is exiting
         for r in range(cfg.num_instances):
             parent, child = ctx.Pipe()
-            proc = ctx.Process(target=_process_main, args=(cfg, r, self._info, self.pools[r].kv, child), daemon=True)
+            args = (cfg, r, self._info, self.pools[r].kv, self._taken, child)
+            proc = ctx.Process(target=_process_main, args=args, daemon=True)
             proc.start()
             self._conns.append(parent)
             self._procs.append(proc)
@@ -370,6 +396,10 @@ class ProcessCluster(_LocalPools):
         self.resyncs = 0  # routing tables pushed again after an instance reported a bad or missing one
         self._senders: list[ShmMetadataSender] = []
         self._seqs = [0] * cfg.num_instances  # metadata channel sequence per instance (a resend takes a new one)
+        self._given_up = [0] * cfg.num_instances  # last sequence an instance answered "resync" for
+        self._waiting: dict[tuple[int, int], Launch] = {}  # (instance, sequence) -> its launch, until answered
+        self._resends: list[list[Launch]] = [[] for _ in range(cfg.num_instances)]  # due once the buffer is free
+        self._outstanding: list[Launch] = []  # launched, not yet collected (oldest first)
         self._faults: dict[int, list[Fault]] = {}  # test hook: faults to inject into the next pushes
         for r in range(cfg.num_instances):
             msg = self._recv(r, start_timeout_s)
@@ -396,72 +426,133 @@ class ProcessCluster(_LocalPools):
         return_logits: bool = False,
         full_tables: FullTables | None = None,
     ) -> list[RowOutput]:
-        outputs, errors = [], []
-        sent = [self.feed.pick(r, tables, full_tables) for r in range(self.cfg.num_instances)]
-        retries = {}  # instances still running this iteration -> resends so far
-        for r in range(self.cfg.num_instances):
-            try:
-                self._start(r, sent[r], rows[r], return_logits)
-                retries[r] = 0
-            except OSError:  # broken pipe: the process is gone
-                self._lost.add(r)
-                errors.append((False, f"instance {r} died (exit code {self._procs[r].exitcode})"))
+        return self.collect(self.launch(tables, rows, return_logits, full_tables))
+
+    def launch(
+        self,
+        tables: list[np.ndarray],
+        rows: list[dict[int, RowInput]],
+        return_logits: bool = False,
+        full_tables: FullTables | None = None,
+    ) -> Launch:
+        """Send an iteration to every instance; it runs once they finish the ones launched before it."""
+        if len(self._outstanding) >= self.max_outstanding:
+            raise RuntimeError(f"at most {self.max_outstanding} iterations can be outstanding; collect one first")
+        n = self.cfg.num_instances
+        sent = [self.feed.pick(r, tables, full_tables) for r in range(n)]
         deadline = time.monotonic() + self.cfg.timeout_s * 2 + 5
-        while retries:
-            # Answers are taken in whatever order they come: an instance asking for a resend must not wait
-            # behind a peer that is itself waiting for that instance on the fabric.
-            ready = mp_connection.wait([self._conns[r] for r in retries], max(0.0, deadline - time.monotonic()))
-            if not ready:
-                errors += [(False, f"instance {r} did not answer in time") for r in sorted(retries)]
-                break
-            for conn in ready:
-                r = self._conns.index(conn)
-                try:
-                    msg = conn.recv()
-                except (EOFError, ConnectionResetError):  # reset: the process died with our message unread
-                    self._lost.add(r)
-                    errors.append((False, f"instance {r} died (exit code {self._procs[r].exitcode})"))
-                    del retries[r]
-                    continue
-                if msg[0] == "stale" and TableFeed.can_resend_full(sent[r], full_tables):
-                    sent[r] = full_tables()[r]  # its store missed a table: rebuild it from the full snapshot
-                    msg = ("resync", msg[1])
-                if msg[0] == "resync" and retries[r] < self.cfg.metadata_retries:
-                    retries[r] += 1
-                    self.resyncs += 1
-                    try:
-                        self._start(r, sent[r], rows[r], return_logits)
-                        continue
-                    except OSError:
-                        self._lost.add(r)
-                        msg = ("error", f"instance {r} died (exit code {self._procs[r].exitcode})", False)
-                del retries[r]
-                if msg[0] == "ok":
-                    outputs.extend(msg[1])
-                    self._records.extend(msg[2])
-                elif msg[0] == "resync":
-                    errors.append((False, f"instance {r}: routing table undeliverable ({msg[1]})"))
-                elif msg[0] == "stale":
-                    errors.append((False, f"instance {r}: {msg[1]}"))
-                else:
-                    errors.append((msg[2], f"instance {r}: {msg[1]}"))
+        launch = Launch(sent, rows, return_logits, full_tables, deadline, [0] * n)
+        self._outstanding.append(launch)
+        for r in range(n):
+            self._wait_until_free(r, deadline)
+            self._push(launch, r)
+        for r, table in enumerate(sent):  # the stores will hold these once they run (a failure forgets it)
+            self.feed.held_now(r, table)
+        return launch
+
+    def collect(self, launch: Launch) -> list[RowOutput]:
+        """Wait for every instance's answer to `launch` (the oldest outstanding iteration): its sampled rows, or
+        InstanceFailure naming the first real error."""
+        if not self._outstanding or self._outstanding[0] is not launch:
+            raise RuntimeError("collect the oldest outstanding iteration first")
+        n = self.cfg.num_instances
+        while len(launch.answers) < n:
+            if not self._take_answers(launch.deadline - time.monotonic()):
+                for r in range(n):
+                    launch.answers.setdefault(r, ("error", f"instance {r} did not answer in time", False))
+        self._outstanding.pop(0)
+        errors = [a for a in launch.answers.values() if a[0] != "ok"]
         if errors:
             self.feed.forget()
-            real = [text for is_timeout, text in errors if not is_timeout] or [errors[0][1]]
+            real = [text for _, text, is_timeout in errors if not is_timeout] or [errors[0][1]]
             raise InstanceFailure(f"decode iteration failed: {real[0]}")
-        for r, table in enumerate(sent):
-            self.feed.held_now(r, table)
+        outputs = []
+        for r in range(n):
+            outputs.extend(launch.answers[r][1])
+            self._records.extend(launch.answers[r][2])
         return outputs
 
-    def _start(self, r: int, table: np.ndarray, rows: dict[int, RowInput], return_logits: bool) -> None:
-        """Push instance r's routing table (new sequence number) and tell it to run the iteration."""
+    def _is_free(self, r: int) -> bool:
+        """Instance r's context buffer may take a new table: it took or gave up the last one pushed."""
+        return max(int(self._taken[r]), self._given_up[r]) >= self._seqs[r]
+
+    def _wait_until_free(self, r: int, deadline: float) -> None:
+        """Until instance r has taken its last table (usually it has: it started long ago), take every instance's
+        answers: r may be waiting on the fabric for a peer whose resend is due."""
+        while not self._is_free(r) and r not in self._lost:
+            if time.monotonic() > deadline:
+                raise InstanceFailure(f"instance {r} did not take its routing table in time")
+            self._take_answers(1e-4)
+
+    def _push(self, launch: Launch, r: int) -> None:
+        """Push instance r's table of `launch` (new sequence number) and tell it to run the iteration."""
+        if r in self._lost:
+            launch.answers[r] = ("error", f"instance {r} died (exit code {self._procs[r].exitcode})", False)
+            return
         self._seqs[r] += 1
+        seq = self._seqs[r]
         faults = self._faults.get(r)
         if faults:
-            FaultySender(self._senders[r]).push(self._seqs[r], table.tobytes(), fault=faults.pop(0))
+            FaultySender(self._senders[r]).push(seq, launch.sent[r].tobytes(), fault=faults.pop(0))
         else:
-            self._senders[r].push(self._seqs[r], table.tobytes())
-        self._conns[r].send(("run", self._seqs[r], rows, return_logits))
+            self._senders[r].push(seq, launch.sent[r].tobytes())
+        self._waiting[(r, seq)] = launch
+        try:
+            self._conns[r].send(("run", seq, launch.rows[r], launch.return_logits))
+        except OSError:  # broken pipe: the process is gone
+            self._lost_instance(r)
+
+    def _take_answers(self, timeout_s: float) -> bool:
+        """Take the answers that arrive within timeout_s from every instance that owes one, then push the resends
+        whose instance's buffer is free. False when nothing came."""
+        owing = sorted({r for r, _ in self._waiting})
+        ready = mp_connection.wait([self._conns[r] for r in owing], max(0.0, timeout_s)) if owing else []
+        for conn in ready:
+            self._take_answer(self._conns.index(conn))
+        for r in range(self.cfg.num_instances):
+            while self._resends[r] and self._is_free(r):
+                self._push(self._resends[r].pop(0), r)
+        return bool(ready)
+
+    def _take_answer(self, r: int) -> None:
+        """Read one answer of instance r and file it with its launch (a table to resend is queued)."""
+        try:
+            msg = self._conns[r].recv()
+        except (EOFError, ConnectionResetError):  # reset: the process died with our message unread
+            self._lost_instance(r)
+            return
+        kind, seq = msg[0], msg[1]
+        launch = self._waiting.pop((r, seq))
+        if kind == "resync":
+            self._given_up[r] = max(self._given_up[r], seq)
+        if kind == "stale" and TableFeed.can_resend_full(launch.sent[r], launch.full_tables):
+            try:  # its store missed a table: rebuild it from the full snapshot
+                launch.sent[r] = launch.full_tables()[r]
+                kind = "resync"
+            except StalePlanError:  # an overlapped launch whose plan is no longer the scheduler's latest
+                pass
+        if kind == "resync" and launch.retries[r] < self.cfg.metadata_retries:
+            launch.retries[r] += 1
+            self.resyncs += 1
+            self._resends[r].append(launch)
+        elif kind == "ok":
+            launch.answers[r] = ("ok", msg[2], msg[3])
+        elif kind == "resync":
+            launch.answers[r] = ("error", f"instance {r}: routing table undeliverable ({msg[2]})", False)
+        elif kind == "stale":
+            launch.answers[r] = ("error", f"instance {r}: {msg[2]}", False)
+        else:
+            launch.answers[r] = ("error", f"instance {r}: {msg[2]}", msg[3])
+
+    def _lost_instance(self, r: int) -> None:
+        """Instance r's pipe closed: every launch waiting on it gets its error."""
+        self._lost.add(r)
+        error = ("error", f"instance {r} died (exit code {self._procs[r].exitcode})", False)
+        for key in [k for k in self._waiting if k[0] == r]:
+            self._waiting.pop(key).answers[r] = error
+        for launch in self._resends[r]:
+            launch.answers[r] = error
+        self._resends[r].clear()
 
     def dead_instances(self) -> list[int]:
         # A closed pipe can be seen a moment before the exiting process can be reaped: give those time to end.

@@ -352,7 +352,7 @@ class GraphRunner:
         ctx = engine.context(bucket)
         batch_indices = table.moe[:, 0].tolist()
         window = table.moe[:, 3]
-        tokens = [rows[b].token for b in batch_indices]
+        tokens = inst.input_tokens(rows, batch_indices)
         outputs = []
         for j in range(table.num_steps):
             staging = engine.begin_injection(ctx)
@@ -368,6 +368,7 @@ class GraphRunner:
             for r, o in zip(active, out):  # each active row's sampled token is its next input
                 tokens[r] = o.token
             outputs += out
+        inst.keep_tokens(rows, batch_indices, tokens)
         return outputs
 
     def _layers(self, ctx: BucketContext, ex: Exchanges, timing_ctx) -> Iterator:

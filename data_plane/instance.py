@@ -78,14 +78,18 @@ class InstanceLimits:
     max_res_recv: int  # partial results received from other instances
 
 
+KEPT_TOKEN = -1  # RowInput.token: the token this instance sampled last for the row's request (overlapped iterations)
+
+
 @dataclass
 class RowInput:
     """What the driver gives an instance for one of its MoE rows."""
 
-    token: int  # the input of the first sub-step (later sub-steps take the token sampled before them)
+    token: int  # the input of the first sub-step (later sub-steps take the token sampled before them), or KEPT_TOKEN
     params: SamplingParams
     output_index: int  # index in the request's output of the token the first sub-step produces
     fallback_seed: int
+    key: int = -1  # the request's stable key: names the token kept for it across iterations
 
 
 @dataclass(frozen=True)
@@ -177,6 +181,9 @@ class DecodeInstance:
         self.block_store = BlockTableStore.for_instance(limits, frames, fill, pool.kv.device)
         self.graphs = graphs
         self._graph_runner = GraphRunner(self, graphs) if graphs is not None else None
+        # request key -> the last token sampled for it in the last iteration: the input of a KEPT_TOKEN row, so the
+        # driver can send iteration t + 1 before it has iteration t's tokens (overlapped iterations)
+        self._kept: dict[int, int] = {}
 
     # ------------------------------------------------------------------ one decode iteration
 
@@ -228,7 +235,7 @@ class DecodeInstance:
             )
         tables = _IterationTables.build(table, self.block_store, self.pool.page_size)
         device = self.model.embed_tokens.device
-        tokens = [rows[b].token for b in tables.batch_indices]
+        tokens = self.input_tokens(rows, tables.batch_indices)
         outputs: list[RowOutput] = []
         with torch.no_grad():
             for j in range(table.num_steps):
@@ -246,7 +253,28 @@ class DecodeInstance:
                 outputs += out
                 for o in out:  # each active row's sampled token is its next input
                     tokens[tables.row_of[o.batch_index]] = o.token
+        self.keep_tokens(rows, tables.batch_indices, tokens)
         return outputs
+
+    def input_tokens(self, rows: dict[int, RowInput], batch_indices: list[int]) -> list[int]:
+        """The first sub-step's input of each MoE row: the driver's token, or the one kept for its request."""
+        tokens = []
+        for b in batch_indices:
+            row = rows[b]
+            if row.token != KEPT_TOKEN:
+                tokens.append(row.token)
+            elif row.key in self._kept:
+                tokens.append(self._kept[row.key])
+            else:
+                raise ValueError(
+                    f"instance {self.rank}: batch row {b} asks for the kept token of request key {row.key}, "
+                    "which the last iteration here did not sample"
+                )
+        return tokens
+
+    def keep_tokens(self, rows: dict[int, RowInput], batch_indices: list[int], tokens: list[int]) -> None:
+        """After an iteration: each row's last token, by request key (only this iteration's rows are kept)."""
+        self._kept = {rows[b].key: t for b, t in zip(batch_indices, tokens) if rows[b].key >= 0}
 
     def _check_table(self, table: RoutingTables, rows: dict[int, RowInput]) -> None:
         if table.instance != self.rank:

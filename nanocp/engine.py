@@ -11,6 +11,7 @@ server both drive this class.
 
 from __future__ import annotations
 
+import itertools
 import time
 from dataclasses import dataclass, field
 
@@ -19,7 +20,7 @@ import torch
 from nanocp.control_plane import Admission, ClusterSpec, CPBucketTable, GlobalScheduler, IterationPlan
 from nanocp.data_plane.cluster import ClusterConfig, InstanceFailure, make_cluster
 from nanocp.data_plane.decode_layers import DecodeWeights
-from nanocp.data_plane.instance import InstanceLimits, RowInput, RowOutput
+from nanocp.data_plane.instance import KEPT_TOKEN, InstanceLimits, RowInput, RowOutput
 from nanocp.data_plane.packed_prefill import prefill_packed
 from nanocp.data_plane.sampling import SamplingParams, sample_tokens
 from nanocp.data_plane.timing import PhaseRecord
@@ -46,6 +47,10 @@ class EngineConfig:
     metadata_timeout_s: float = 2.0  # processes backend: wait for a routing table before asking for a resend
     use_graphs: bool = False  # AOT graph engine (buckets over the execution shape, one static pool)
     num_steps: int = 1  # decode steps per iteration (multi-step execution: one plan, k sub-steps on the instances)
+    # Overlapped iterations (processes backend): plan and send iteration t + 1 while the instances run t; each
+    # instance feeds a continuing request the token it sampled itself. Falls back to one iteration at a time for a
+    # plan that admits, finishes, preempts or moves a request.
+    overlap: bool = True
     # CDSP prefill tier (Tetris): 0 = the driver prefills admitted prompts itself (packed, one device); N > 0 = N
     # prefill instances compute prompts with chunkwise dynamic SP and hand the KV straight to the decode pages.
     prefill_instances: int = 0
@@ -114,6 +119,25 @@ class _Request:
     error: str | None = None
     stop_text_end: int | None = None  # text is cut here when a stop string matched
     resume: bool = False  # re-admitted after a cluster failure: its prefill must not sample a new first token
+    key: int = -1  # stable integer key (the instances keep its last token under it)
+
+
+@dataclass
+class _MoeRows:
+    """Where an iteration's requests sample their tokens."""
+
+    moe_instance: dict[str, int]  # request -> its MoE instance
+    window: dict[str, int]  # request -> decode steps it runs (tokens it adds unless it stops)
+
+
+@dataclass
+class _InFlight:
+    """An iteration sent to the cluster whose tokens are not appended yet."""
+
+    batch: list[str]  # batch index -> request id
+    rows: _MoeRows
+    launch: object | None  # the cluster's handle while running; None once `outputs` are here
+    outputs: list[RowOutput] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -151,6 +175,9 @@ class Engine:
         self._done: list[RequestOutput] = []
         self.last_updated: list[str] = []  # requests that received tokens in the last step (for streaming)
         self.iterations = 0
+        self._keys = itertools.count()
+        self._inflight: _InFlight | None = None
+        self.overlapped_iterations = 0  # iterations sent while the previous one was still running
 
     def _build_cluster(self, spec: ClusterSpec) -> None:
         """A scheduler and a decode cluster of spec.num_instances instances (the experts split over them)."""
@@ -182,6 +209,8 @@ class Engine:
             use_graphs=config.use_graphs,
         )
         self.cluster = make_cluster(config.backend, cluster_cfg, **config.cluster_options)
+        self.overlaps = config.overlap and getattr(self.cluster, "overlaps", False)
+        self._inflight = None
 
     # ------------------------------------------------------------------ failures
 
@@ -237,7 +266,13 @@ class Engine:
         self.scheduler.add_request(rid, len(prompt_ids), params.max_tokens)
         seed = params.seed if params.seed is not None else hash(rid) & 0x7FFFFFFF
         self.requests[rid] = _Request(
-            rid, list(prompt_ids), params, seed, keep_logits, RequestMetrics(arrival_time=time.monotonic())
+            rid,
+            list(prompt_ids),
+            params,
+            seed,
+            keep_logits,
+            RequestMetrics(arrival_time=time.monotonic()),
+            key=next(self._keys),
         )
 
     def abort(self, rid: str) -> None:
@@ -256,10 +291,17 @@ class Engine:
 
     @torch.no_grad()
     def step(self) -> list[RequestOutput]:
-        """One decode iteration (num_steps decode steps); returns the requests that ended in it."""
+        """One decode iteration (num_steps decode steps); returns the requests that ended in it. With overlapped
+        iterations the tokens appended are those of the iteration sent in the previous step, collected after this
+        step's iteration is sent."""
         plan = self.scheduler.step(self.config.num_steps)
         self.iterations += 1
         self.last_updated = []
+        # lowered now: a request that ends in its prefill is still in this batch (an empty batch lowers nothing)
+        rows = self._moe_rows(plan) if plan.batch else _MoeRows({}, {})
+        if self._inflight is not None and not self._can_overlap(plan, rows):
+            if not self._collect():  # this plan ends, admits, preempts or moves requests: settle the tokens first
+                return self._take_done()  # the cluster failed and was rebuilt: the next step plans anew
         self._first_token_only([rid for rid in plan.finished if self._needs_first_token(rid)])
         for rid in plan.finished:
             self._on_scheduler_finished(rid)
@@ -267,36 +309,84 @@ class Engine:
             self._end(self.requests[rid], "error", "the cluster can no longer hold this request")
         for rid in plan.preempted:
             self.requests[rid].metrics.preemptions += 1
-        batch = plan.batch
-        if batch:
-            plan.tables  # noqa: B018 - lowered now: a request that ends in its prefill is still in this batch
         if plan.admitted:
             self._prefill(plan.admitted)
-        try:
-            outputs = self._run_iteration(plan) if batch else []  # an empty batch lowers nothing
-        except InstanceFailure as e:
-            self._recover(e)
-            outputs = []
-        now = time.monotonic()
-        for out in sorted(outputs, key=lambda o: (o.batch_index, o.step)):
-            req = self.requests[batch[out.batch_index]]
-            if req.finish_reason is None:  # tokens after a stop inside the window are dropped
-                self._append(req, out.token, out.logits, now)
+        launched = None
+        if plan.batch:
+            try:
+                launched = self._launch(plan, rows)
+            except InstanceFailure as e:
+                self._inflight = None
+                self._recover(e)
+                return self._take_done()
+        if self._inflight is not None and not self._collect():  # the previous iteration's, while this one runs
+            return self._take_done()
+        self._inflight = launched
+        if launched is not None and (launched.launch is None or not self.has_unfinished()):
+            self._collect()  # no overlap, or nothing left to overlap with
+        return self._take_done()
+
+    def _take_done(self) -> list[RequestOutput]:
         done, self._done = self._done, []
         return done
 
-    def _run_iteration(self, plan: IterationPlan) -> list[RowOutput]:
-        """The plan's routing tables and each MoE row's input to the cluster; the sampled rows back."""
-        batch = plan.batch
-        rows: list[dict[int, RowInput]] = [{} for _ in range(self.spec.num_instances)]
+    def _moe_rows(self, plan: IterationPlan) -> _MoeRows:
+        moe_instance, window = {}, {}
         for instance in range(self.spec.num_instances):
-            for batch_index in plan.routing(instance).moe[:, 0].tolist():
-                req = self.requests[batch[batch_index]]
-                rows[instance][batch_index] = RowInput(req.output[-1], req.params, len(req.output), req.seed)
+            for batch_index, steps in plan.routing(instance).moe[:, [0, 3]].tolist():
+                rid = plan.batch[batch_index]
+                moe_instance[rid], window[rid] = instance, steps
+        return _MoeRows(moe_instance, window)
+
+    def _can_overlap(self, plan: IterationPlan, rows: _MoeRows) -> bool:
+        """Whether `plan` may be sent before the iteration in flight returns: it frees and admits nothing (a freed
+        page must not take a prompt's KV while the running iteration may still write it) and every continuing
+        request keeps its MoE instance (whose kept token is its input)."""
+        if not plan.batch or plan.admitted or plan.finished or plan.preempted or plan.rejected:
+            return False
+        before = self._inflight.rows.moe_instance
+        return all(before.get(rid, instance) == instance for rid, instance in rows.moe_instance.items())
+
+    def _launch(self, plan: IterationPlan, moe_rows: _MoeRows) -> _InFlight:
+        """The plan's routing tables and each MoE row's input to the cluster. A request whose tokens are still in
+        flight gets KEPT_TOKEN: its MoE instance feeds it the token it sampled last."""
+        batch = plan.batch
+        pending = self._inflight.rows.window if self._inflight is not None else {}
+        rows: list[dict[int, RowInput]] = [{} for _ in range(self.spec.num_instances)]
+        for batch_index, rid in enumerate(batch):
+            req = self.requests[rid]
+            if rid in pending:
+                row = RowInput(KEPT_TOKEN, req.params, len(req.output) + pending[rid], req.seed, req.key)
+            else:
+                row = RowInput(req.output[-1], req.params, len(req.output), req.seed, req.key)
+            rows[moe_rows.moe_instance[rid]][batch_index] = row
         keep = any(self.requests[rid].keep_logits for rid in batch)
-        if getattr(self.cluster, "incremental_tables", False):
-            return self.cluster.run_iteration(plan.tables, rows, keep, full_tables=plan.full_tables)
-        return self.cluster.run_iteration(plan.full_tables(), rows, keep)  # a cluster that tracks no store state
+        inflight = _InFlight(list(batch), moe_rows, None)
+        if not getattr(self.cluster, "incremental_tables", False):  # a cluster that tracks no store state
+            inflight.outputs = self.cluster.run_iteration(plan.full_tables(), rows, keep)
+        elif self.overlaps:
+            inflight.launch = self.cluster.launch(plan.tables, rows, keep, full_tables=plan.full_tables)
+            self.overlapped_iterations += self._inflight is not None
+        else:
+            inflight.outputs = self.cluster.run_iteration(plan.tables, rows, keep, full_tables=plan.full_tables)
+        return inflight
+
+    def _collect(self) -> bool:
+        """Append the tokens of the iteration in flight. False when the cluster failed: it is rebuilt (anything
+        else in flight is dropped) and the requests resume from the tokens they have."""
+        inflight, self._inflight = self._inflight, None
+        if inflight.launch is not None:
+            try:
+                inflight.outputs = self.cluster.collect(inflight.launch)
+            except InstanceFailure as e:
+                self._recover(e)
+                return False
+        now = time.monotonic()
+        for out in sorted(inflight.outputs, key=lambda o: (o.batch_index, o.step)):
+            req = self.requests.get(inflight.batch[out.batch_index])
+            if req is not None and req.finish_reason is None:  # tokens after a stop are dropped
+                self._append(req, out.token, out.logits, now)
+        return True
 
     def _prefill(self, admitted: list[Admission]) -> None:
         """Compute the admitted contexts' KV and write it into each request's shards, in the pages the scheduler

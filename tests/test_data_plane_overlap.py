@@ -1,0 +1,187 @@
+"""Overlapped iterations (EngineConfig.overlap, processes backend): iteration t + 1 is sent before iteration t's
+tokens are back, its continuing rows fed by the tokens their MoE instance kept. The outputs must be exactly those of
+one iteration at a time, whatever ends, joins, is preempted or has its routing table lost on the way."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+from test_data_plane import assert_logits_close
+
+from nanocp import SamplingParams
+from nanocp.comm.metadata_channel import Fault
+from nanocp.control_plane import CPBucketTable
+from nanocp.data_plane.cluster import ClusterConfig, InlineCluster, InstanceFailure
+from nanocp.data_plane.instance import KEPT_TOKEN, InstanceLimits, RowInput
+from nanocp.engine import Engine, EngineConfig
+
+FORCE_CP = CPBucketTable((24, 10**9), (1, 2))  # prompts longer than 24 tokens are split over 2 instances
+
+
+def random_prompts(n: int, seed: int, low: int = 4, high: int = 40) -> list[list[int]]:
+    rnd = random.Random(seed)
+    return [[rnd.randrange(256) for _ in range(rnd.randint(low, high))] for _ in range(n)]
+
+
+STOP_TOKENS = tuple(range(0, 256, 4))  # a quarter of the byte vocabulary: most requests that stop on them stop early
+
+
+def mixed_params(n: int, seed: int) -> list[SamplingParams]:
+    """Greedy and seeded sampling, early stops on tokens, different lengths."""
+    rnd = random.Random(seed)
+    out = []
+    for i in range(n):
+        kind = i % 3
+        max_tokens = rnd.randint(6, 20)
+        if kind == 0:
+            out.append(SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
+        elif kind == 1:
+            out.append(SamplingParams(max_tokens=max_tokens, temperature=0.8, top_k=40, seed=rnd.randrange(1 << 20)))
+        else:
+            out.append(SamplingParams(max_tokens=max_tokens, temperature=0.0, stop_token_ids=STOP_TOKENS))
+    return out
+
+
+def engine(overlap: bool, **kwargs) -> Engine:
+    config = dict(model="tiny", decode_instances=2, backend="processes", cp_buckets=FORCE_CP, page_size=8)
+    config.update(kwargs)
+    return Engine(EngineConfig(overlap=overlap, **config))
+
+
+def run_staggered(eng: Engine, prompts, params, keep_logits: bool = False, faults=None) -> dict:
+    """Requests join two per step while others decode; `faults` (step -> [(instance, Fault)]) are injected into
+    the routing-table pushes of later steps. -> request id -> its RequestOutput (released from the engine)."""
+    waiting = list(enumerate(zip(prompts, params)))
+    outs, step = {}, 0
+    while waiting or eng.has_unfinished():
+        for _ in range(min(2, len(waiting))):
+            i, (prompt, p) = waiting.pop(0)
+            eng.add_request(f"r{i}", prompt, p, keep_logits=keep_logits)
+        for instance, fault in (faults or {}).get(step, []):
+            eng.cluster.inject_metadata_fault(instance, fault)
+        for out in eng.step():
+            outs[out.request_id] = out
+            eng.release(out.request_id)
+        step += 1
+    return outs
+
+
+def tokens_of(outs: dict) -> dict:
+    return {rid: (out.token_ids, out.finish_reason) for rid, out in outs.items()}
+
+
+@pytest.fixture(scope="module")
+def engines():
+    pair = {overlap: engine(overlap) for overlap in (False, True)}
+    yield pair
+    for eng in pair.values():
+        eng.close()
+
+
+def test_overlapped_iterations_give_the_same_tokens_and_logits(engines):
+    prompts = random_prompts(10, seed=5)
+    params = mixed_params(len(prompts), seed=7)
+    results = {o: run_staggered(eng, prompts, params, keep_logits=True) for o, eng in engines.items()}
+    sync, overlapped = results[False], results[True]
+    assert sync.keys() == overlapped.keys() == {f"r{i}" for i in range(len(prompts))}
+    assert any(out.finish_reason == "stop" for out in sync.values())  # early stops were exercised
+    assert tokens_of(sync) == tokens_of(overlapped)
+    for rid, out in sync.items():
+        # a request that stopped stays in the next iteration's batch, so later batches differ: equal to fp32 noise
+        assert_logits_close(overlapped[rid].logits, out.logits)
+    assert engines[True].overlapped_iterations > 0
+    assert engines[False].overlapped_iterations == 0
+
+
+def test_steady_decode_overlaps_every_iteration_but_the_first_and_the_last(engines):
+    eng = engines[True]
+    before = eng.overlapped_iterations
+    prompts = random_prompts(6, seed=11)
+    new_tokens = 9
+    for i, prompt in enumerate(prompts):
+        eng.add_request(f"s{i}", prompt, SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True))
+    while eng.has_unfinished():
+        eng.step()
+    # new_tokens - 1 decode iterations: the first admits (it is sent alone), each later one goes out before the
+    # previous one's tokens are back
+    assert eng.overlapped_iterations - before == new_tokens - 2
+    for i in range(len(prompts)):
+        out = eng.output_of(f"s{i}")
+        assert len(out.token_ids) == new_tokens and out.finish_reason == "length"
+        eng.release(f"s{i}")
+
+
+def test_multistep_windows_overlap_with_the_same_tokens():
+    prompts = random_prompts(5, seed=21)
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (3, 7, 10, 5, 12)]
+    results = {}
+    for overlap in (False, True):
+        eng = engine(overlap, num_steps=3, decode_instances=2)
+        try:
+            results[overlap] = tokens_of(run_staggered(eng, prompts, params))
+            overlapped = eng.overlapped_iterations
+        finally:
+            eng.close()
+    assert results[False] == results[True]
+    assert overlapped > 0
+
+
+def test_preemption_under_overlap_keeps_outputs_identical():
+    # 64 tokens of KV per instance: growing requests must be preempted and recomputed
+    prompts = random_prompts(6, seed=31, low=8, high=20)
+    params = [SamplingParams(max_tokens=14, temperature=0.0, ignore_eos=True) for _ in prompts]
+    results, preempted = {}, {}
+    for overlap in (False, True):
+        eng = engine(overlap, kv_capacity_tokens=64, cp_buckets=None)
+        try:
+            outs = run_staggered(eng, prompts, params)
+            results[overlap] = tokens_of(outs)
+            preempted[overlap] = sum(out.metrics.preemptions for out in outs.values())
+        finally:
+            eng.close()
+    assert preempted[True] > 0
+    assert results[False] == results[True]
+
+
+def test_lost_tables_of_queued_iterations_are_resent(engines):
+    prompts = random_prompts(6, seed=41)
+    params = [SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True) for _ in prompts]
+    clean = run_staggered(engines[False], prompts, params)
+    eng = engine(True, metadata_timeout_s=0.5)
+    try:
+        # steps 4 and 6 send an iteration while the previous one runs (no admission left by then)
+        faults = {4: [(1, Fault.DROP)], 6: [(0, Fault.CORRUPT), (1, Fault.TEAR)]}
+        faulty = run_staggered(eng, prompts, params, faults=faults)
+        assert eng.cluster.resyncs == 3
+        assert eng.overlapped_iterations > 0
+        assert not eng.recoveries
+    finally:
+        eng.close()
+    assert tokens_of(faulty) == tokens_of(clean)
+
+
+def test_process_cluster_launch_order_is_checked(engines):
+    cluster = engines[True].cluster
+    with pytest.raises(RuntimeError, match="oldest outstanding"):
+        cluster.collect(object())
+
+
+def test_a_kept_token_the_instance_does_not_have_is_a_clear_error():
+    cfg = ClusterConfig("tiny", 1, InstanceLimits(4, 4, 4), frames_per_instance=8, page_size=8)
+    cluster = InlineCluster(cfg)
+    try:
+        from nanocp.control_plane import ClusterSpec, GlobalScheduler
+
+        sched = GlobalScheduler(ClusterSpec(1, 1, 64, 8), "nanocp")
+        sched.add_request("a", 5, 4)
+        plan = sched.step()
+        rows = [{0: RowInput(KEPT_TOKEN, SamplingParams(max_tokens=4), 1, 0, key=77)}]
+        with pytest.raises(InstanceFailure, match="kept token of request key 77"):
+            cluster.run_iteration(plan.full_tables(), rows)
+        tables = [np.asarray(t) for t in plan.full_tables()]
+        out = cluster.run_iteration(tables, [{0: RowInput(3, SamplingParams(max_tokens=4), 1, 0, key=77)}])
+        assert len(out) == 1
+    finally:
+        cluster.close()
