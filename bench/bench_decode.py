@@ -9,13 +9,14 @@ report two rates:
   each step, the first stamp ends the prefill);
 - end-to-end tokens/s: all generated tokens over the whole call (prefill included on both sides).
 Each configuration is compared with HF given the same CPU cores: torch threads = the cores the configuration keeps
-busy (1 for the inline backend, min(instances, cores) for processes, whose driver prefills with that many threads
-while the instances wait). The headline is 2 instances on the processes backend (one instance per core, the DP-EP
-deployment shape of a 2-core machine); `--extra N[:backend[:num_steps]] ...` adds labelled rows for other
-configurations (by default the headline with 4 decode steps per driver round trip, and 4 and 1 inline instances),
-each interleaved with its own HF runs. The machine's load average is recorded
-before and after (the machine is shared). A timed nanocp run with the per-phase timing log on writes the
-per-instance phase breakdown (bench/results/decode_tiny_timing.jsonl).
+busy (1 for the inline backend, min(instances + 1, cores) for processes, whose driver plans iteration t + 1 while
+the instances run t and prefills with that many threads while they wait). The headline is 2 instances on the
+processes backend (one instance per core, the DP-EP deployment shape of a 2-core machine); `--extra
+N[:backend[:num_steps[:sequential]]] ...` adds labelled rows for other configurations (by default the headline
+one iteration at a time and with 4 decode steps per iteration, and 4 and 1 inline instances), each interleaved with
+its own HF runs. The machine's load average is recorded before and after (the machine is shared). A timed nanocp
+run with the per-phase timing log on writes the per-instance phase breakdown
+(bench/results/decode_tiny_timing.jsonl).
 """
 
 from __future__ import annotations
@@ -52,9 +53,12 @@ def prompts_for(batch: int, length: int, seed: int) -> list[list[int]]:
     return [[rnd.randrange(256) for _ in range(length)] for _ in range(batch)]
 
 
-def cores_used(decode_instances: int, backend: str) -> int:
-    """CPU cores a configuration keeps busy: what HF gets as torch threads in its comparison."""
-    return 1 if backend == "inline" else min(decode_instances, os.cpu_count() or 1)
+def cores_used(decode_instances: int, backend: str, overlap: bool = True) -> int:
+    """CPU cores a configuration keeps busy: what HF gets as torch threads in its comparison. With overlapped
+    iterations (processes backend) the driver plans while the instances run: it counts as one more."""
+    if backend == "inline":
+        return 1
+    return min(decode_instances + (overlap and backend == "processes"), os.cpu_count() or 1)
 
 
 def nanocp_rates(llm: LLM, prompts: list[list[int]], new_tokens: int) -> Rates:
@@ -116,36 +120,44 @@ def phase_breakdown(records) -> dict:
 class Config:
     decode_instances: int
     backend: str
-    num_steps: int = 1  # decode steps per driver round trip (EngineConfig.num_steps)
+    num_steps: int = 1  # decode steps per iteration (EngineConfig.num_steps)
+    overlap: bool = True  # EngineConfig.overlap (overlapped iterations, processes backend)
 
     def describe(self) -> str:
         n = self.decode_instances
         steps = f", {self.num_steps} decode steps per iteration" if self.num_steps > 1 else ""
-        return f"{n} decode instance{'s' if n > 1 else ''} ({self.backend} backend{steps})"
+        sequential = ", one iteration at a time" if not self.overlap and self.backend == "processes" else ""
+        return f"{n} decode instance{'s' if n > 1 else ''} ({self.backend} backend{steps}{sequential})"
+
+
+SPEC = "N, N:backend, N:backend:num_steps or N:backend:num_steps:sequential"
 
 
 def parse_config(spec: str, default_backend: str) -> Config:
-    """ "N", "N:backend" or "N:backend:num_steps" -> the configuration."""
+    """ "N", "N:backend", "N:backend:num_steps" or "N:backend:num_steps:sequential" (overlap off) -> the
+    configuration."""
     count, _, rest = spec.partition(":")
-    backend, _, steps = rest.partition(":")
+    backend, _, rest = rest.partition(":")
+    steps, _, mode = rest.partition(":")
     backend = backend or default_backend
     steps = steps or "1"
-    if not count.isdigit() or int(count) < 1 or backend not in BACKENDS or not steps.isdigit() or int(steps) < 1:
-        raise argparse.ArgumentTypeError(
-            f"bad configuration {spec!r}: expected N, N:backend or N:backend:num_steps, backend in {BACKENDS}"
-        )
-    return Config(int(count), backend, int(steps))
+    bad_count = not count.isdigit() or int(count) < 1
+    bad_steps = not steps.isdigit() or int(steps) < 1
+    if bad_count or backend not in BACKENDS or bad_steps or mode not in ("", "sequential"):
+        raise argparse.ArgumentTypeError(f"bad configuration {spec!r}: expected {SPEC}, backend in {BACKENDS}")
+    return Config(int(count), backend, int(steps), overlap=mode != "sequential")
 
 
 def compare(hf, args, config: Config) -> list[dict]:
     """Per batch: median rates of nanocp in `config` and of HF on the same cores, over interleaved repeats."""
-    cores = cores_used(config.decode_instances, config.backend)
+    cores = cores_used(config.decode_instances, config.backend, config.overlap)
     rows = []
     with LLM(
         "tiny",
         decode_instances=config.decode_instances,
         backend=config.backend,
         num_steps=config.num_steps,
+        overlap=config.overlap,
         torch_threads=cores,
     ) as llm:
         # the engine set this process's torch threads to `cores`: HF runs with as many
@@ -210,8 +222,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument(
         "--extra",
         nargs="*",
-        default=["2:processes:4", "4:inline", "1:inline"],
-        help="extra rows: other configurations, N, N:backend or N:backend:num_steps (default: the headline with 4 "
+        default=["2:processes:1:sequential", "2:processes:4", "4:inline", "1:inline"],
+        help=f"extra rows: other configurations, {SPEC} (default: the headline one iteration at a time, and with 4 "
         "decode steps per iteration; 4 and 1 instances, inline backend)",
     )
     ap.add_argument("--out", default=str(RESULTS / "decode_tiny"))
@@ -255,7 +267,8 @@ def main(argv: list[str] | None = None) -> dict:
         "# Decode throughput: nanocp.LLM vs HF transformers generate (tiny model, CPU)",
         "",
         f"Command: `python -m nanocp.bench.bench_decode` ({args.decode_instances} decode instances, "
-        f"{args.backend} backend, HF with {threads(cores_used(args.decode_instances, args.backend))}; "
+        f"{args.backend} backend{', overlapped iterations' if args.backend == 'processes' else ''}, "
+        f"HF with {threads(cores_used(args.decode_instances, args.backend))}; "
         f"{args.prompt_len}-token prompts, {args.new_tokens} new tokens, greedy, median of {args.repeats} interleaved "
         "runs; the pairs column is the spread of the ratio over the interleaved pairs). Measured on this machine, "
         "not a model output. Decode tokens/s counts the tokens after each "
@@ -268,7 +281,8 @@ def main(argv: list[str] | None = None) -> dict:
         lines += [
             "",
             f"Extra configuration, not the headline: {c.describe()}, "
-            f"HF with {threads(cores_used(c.decode_instances, c.backend))}, interleaved with its own HF runs:",
+            f"HF with {threads(cores_used(c.decode_instances, c.backend, c.overlap))}, "
+            "interleaved with its own HF runs:",
             "",
             *table(extra_rows),
         ]

@@ -382,6 +382,7 @@ class ProcessCluster(_LocalPools):
         self.pools = allocate_pools(cfg, shared=True)
         self._info = ShmFabric.new_session(cfg.num_instances, num_flags=64)
         self._taken = torch.zeros(cfg.num_instances, dtype=torch.int64).share_memory_()
+        self._taken_now = self._taken.numpy()  # the driver's view (a numpy read costs far less than a tensor's)
         ctx = mp.get_context("spawn")
         self._conns, self._procs = [], []
         self._lost: set[int] = set()  # instances whose pipe closed: their process is exiting
@@ -474,7 +475,7 @@ class ProcessCluster(_LocalPools):
 
     def _is_free(self, r: int) -> bool:
         """Instance r's context buffer may take a new table: it took or gave up the last one pushed."""
-        return max(int(self._taken[r]), self._given_up[r]) >= self._seqs[r]
+        return max(int(self._taken_now[r]), self._given_up[r]) >= self._seqs[r]
 
     def _wait_until_free(self, r: int, deadline: float) -> None:
         """Until instance r has taken its last table (usually it has: it started long ago), take every instance's

@@ -7,7 +7,7 @@ import argparse
 import pytest
 
 from nanocp.bench import run_all
-from nanocp.bench.bench_decode import Config, parse_config, table
+from nanocp.bench.bench_decode import Config, cores_used, parse_config, table
 
 
 @pytest.mark.parametrize(
@@ -17,13 +17,14 @@ from nanocp.bench.bench_decode import Config, parse_config, table
         ("1:inline", Config(1, "inline")),
         ("2:processes:4", Config(2, "processes", 4)),
         ("3:threads:", Config(3, "threads")),
+        ("2:processes:1:sequential", Config(2, "processes", 1, overlap=False)),
     ],
 )
 def test_parse_config(spec, want):
     assert parse_config(spec, "processes") == want
 
 
-@pytest.mark.parametrize("spec", ["0", "x", "2:gpu", "2:inline:0", "2:inline:x", "-1:inline"])
+@pytest.mark.parametrize("spec", ["0", "x", "2:gpu", "2:inline:0", "2:inline:x", "-1:inline", "2:processes:1:fast"])
 def test_parse_config_rejects_bad_specs(spec):
     with pytest.raises(argparse.ArgumentTypeError, match="bad configuration"):
         parse_config(spec, "inline")
@@ -33,6 +34,17 @@ def test_config_describes_its_steps():
     four_steps = "2 decode instances (processes backend, 4 decode steps per iteration)"
     assert Config(2, "processes", 4).describe() == four_steps
     assert Config(1, "inline").describe() == "1 decode instance (inline backend)"
+    sequential = "2 decode instances (processes backend, one iteration at a time)"
+    assert Config(2, "processes", overlap=False).describe() == sequential
+
+
+def test_hf_gets_the_cores_a_configuration_keeps_busy(monkeypatch):
+    monkeypatch.setattr("os.cpu_count", lambda: 2)
+    assert cores_used(4, "inline") == 1
+    assert cores_used(1, "processes") == 2  # the overlapping driver plans on the other core
+    assert cores_used(1, "processes", overlap=False) == 1
+    assert cores_used(2, "processes") == 2
+    assert cores_used(1, "threads") == 1
 
 
 def test_run_all_lists_and_refuses_unknown_names(capsys):
