@@ -299,16 +299,11 @@ class Engine:
         self.last_updated = []
         # lowered now: a request that ends in its prefill is still in this batch (an empty batch lowers nothing)
         rows = self._moe_rows(plan) if plan.batch else _MoeRows({}, {})
-        if self._inflight is not None and not self._can_overlap(plan, rows):
-            if not self._collect():  # this plan ends, admits, preempts or moves requests: settle the tokens first
-                return self._take_done()  # the cluster failed and was rebuilt: the next step plans anew
-        self._first_token_only([rid for rid in plan.finished if self._needs_first_token(rid)])
-        for rid in plan.finished:
-            self._on_scheduler_finished(rid)
-        for rid in plan.rejected:
-            self._end(self.requests[rid], "error", "the cluster can no longer hold this request")
-        for rid in plan.preempted:
-            self.requests[rid].metrics.preemptions += 1
+        overlapped = self._inflight is not None and self._can_overlap(plan, rows)
+        if self._inflight is not None and not overlapped and not self._collect():
+            return self._take_done()  # the cluster failed and was rebuilt: the next step plans anew
+        if not overlapped:
+            self._apply_plan_ends(plan)
         if plan.admitted:
             self._prefill(plan.admitted)
         launched = None
@@ -321,10 +316,22 @@ class Engine:
                 return self._take_done()
         if self._inflight is not None and not self._collect():  # the previous iteration's, while this one runs
             return self._take_done()
+        if overlapped:
+            self._apply_plan_ends(plan)  # now that the requests it ends have their last tokens
         self._inflight = launched
         if launched is not None and (launched.launch is None or not self.has_unfinished()):
             self._collect()  # no overlap, or nothing left to overlap with
         return self._take_done()
+
+    def _apply_plan_ends(self, plan: IterationPlan) -> None:
+        """The requests the plan finished, rejected or preempted."""
+        self._first_token_only([rid for rid in plan.finished if self._needs_first_token(rid)])
+        for rid in plan.finished:
+            self._on_scheduler_finished(rid)
+        for rid in plan.rejected:
+            self._end(self.requests[rid], "error", "the cluster can no longer hold this request")
+        for rid in plan.preempted:
+            self.requests[rid].metrics.preemptions += 1
 
     def _take_done(self) -> list[RequestOutput]:
         done, self._done = self._done, []
@@ -339,10 +346,11 @@ class Engine:
         return _MoeRows(moe_instance, window)
 
     def _can_overlap(self, plan: IterationPlan, rows: _MoeRows) -> bool:
-        """Whether `plan` may be sent before the iteration in flight returns: it frees and admits nothing (a freed
-        page must not take a prompt's KV while the running iteration may still write it) and every continuing
-        request keeps its MoE instance (whose kept token is its input)."""
-        if not plan.batch or plan.admitted or plan.finished or plan.preempted or plan.rejected:
+        """Whether `plan` may be sent before the iteration in flight returns. Not when it admits: a page freed since
+        that iteration was sent (a request ended, preempted) must not take a prompt's KV while the iteration may
+        still write it; decode growth into such a page is safe, as each instance runs its iterations in order. Not
+        when a continuing request moves to another MoE instance: its kept token is on the old one."""
+        if not plan.batch or plan.admitted:
             return False
         before = self._inflight.rows.moe_instance
         return all(before.get(rid, instance) == instance for rid, instance in rows.moe_instance.items())

@@ -113,6 +113,32 @@ def test_steady_decode_overlaps_every_iteration_but_the_first_and_the_last(engin
         eng.release(f"s{i}")
 
 
+def test_a_plan_that_ends_requests_still_overlaps(engines, monkeypatch):
+    # every request joins in the first step, then they end one after another (length): only the admitting plan and
+    # a plan that moves a continuing request to another MoE instance (its kept token is on the old one) wait
+    eng = engines[True]
+    decisions = []
+    can_overlap = eng._can_overlap
+
+    def recorded(plan, rows):
+        before = eng._inflight.rows.moe_instance
+        moved = any(before.get(rid, i) != i for rid, i in rows.moe_instance.items())
+        decisions.append((bool(plan.finished), bool(plan.batch) and not moved, can_overlap(plan, rows)))
+        return decisions[-1][2]
+
+    monkeypatch.setattr(eng, "_can_overlap", recorded)
+    lengths = [3, 5, 8, 11, 4, 9]
+    for i, (prompt, n) in enumerate(zip(random_prompts(len(lengths), seed=13), lengths)):
+        eng.add_request(f"e{i}", prompt, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
+    while eng.has_unfinished():
+        eng.step()
+    assert [expected for _, expected, _ in decisions] == [overlapped for _, _, overlapped in decisions]
+    assert any(ends and overlapped for ends, _, overlapped in decisions)
+    assert [len(eng.output_of(f"e{i}").token_ids) for i in range(len(lengths))] == lengths
+    for i in range(len(lengths)):
+        eng.release(f"e{i}")
+
+
 def test_multistep_windows_overlap_with_the_same_tokens():
     prompts = random_prompts(5, seed=21)
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (3, 7, 10, 5, 12)]
@@ -139,9 +165,10 @@ def test_preemption_under_overlap_keeps_outputs_identical():
             outs = run_staggered(eng, prompts, params)
             results[overlap] = tokens_of(outs)
             preempted[overlap] = sum(out.metrics.preemptions for out in outs.values())
+            overlapped = eng.overlapped_iterations
         finally:
             eng.close()
-    assert preempted[True] > 0
+    assert preempted[True] > 0 and overlapped > 0
     assert results[False] == results[True]
 
 
