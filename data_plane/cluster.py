@@ -16,6 +16,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import time
 import traceback
+import weakref
 from collections.abc import Callable, Generator
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor
 from concurrent.futures import wait as futures_wait
@@ -324,7 +325,10 @@ def _process_main(cfg: ClusterConfig, rank: int, fabric_info, pool_kv: torch.Ten
         return
     try:
         while True:
-            msg = conn.recv()
+            try:
+                msg = conn.recv()
+            except EOFError:  # the driver is gone: nothing left to serve
+                break
             if msg[0] == "stop":
                 break
             _, seq, rows, return_logits = msg
@@ -402,6 +406,8 @@ class ProcessCluster(_LocalPools):
         self._resends: list[list[Launch]] = [[] for _ in range(cfg.num_instances)]  # due once the buffer is free
         self._outstanding: list[Launch] = []  # launched, not yet collected (oldest first)
         self._faults: dict[int, list[Fault]] = {}  # test hook: faults to inject into the next pushes
+        # close() runs it; so does interpreter exit for a cluster never closed (no orphans, no shm left behind)
+        self._shutdown = weakref.finalize(self, _stop_processes, self._conns, self._procs, self._senders, self._info)
         for r in range(cfg.num_instances):
             msg = self._recv(r, start_timeout_s)
             if msg[0] != "ready":
@@ -575,20 +581,26 @@ class ProcessCluster(_LocalPools):
         return records
 
     def close(self) -> None:
-        for conn, proc in zip(self._conns, self._procs):
-            try:
-                if proc.is_alive():
-                    conn.send(("stop",))
-            except (BrokenPipeError, OSError):
-                pass
-        for proc in self._procs:
-            proc.join(timeout=10)
+        self._shutdown()
+
+
+def _stop_processes(conns: list, procs: list, senders: list, info) -> None:
+    """Stop the instance processes (a "stop" message, then SIGKILL after 10 s) and free the shared memory. A
+    ProcessCluster's finalizer: it runs on close(), or at interpreter exit for a cluster nobody closed."""
+    for conn, proc in zip(conns, procs):
+        try:
             if proc.is_alive():
-                proc.kill()
-                proc.join()
-        for sender in getattr(self, "_senders", []):
-            sender.close()
-        ShmFabric.cleanup(self._info)
+                conn.send(("stop",))
+        except (BrokenPipeError, OSError):
+            pass
+    for proc in procs:
+        proc.join(timeout=10)
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+    for sender in senders:
+        sender.close()
+    ShmFabric.cleanup(info)
 
 
 def make_cluster(backend: str, cfg: ClusterConfig, **options):
