@@ -43,7 +43,7 @@ from .block_store import StaleBlockTableError
 from .decode_layers import DecodeWeights
 from .experts import owned_experts
 from .graph_runner import build_graph_engine
-from .instance import DecodeInstance, InstanceLimits, RowInput, RowOutput
+from .instance import DecodeInstance, Handoff, InstanceLimits, RowInput, RowOutput
 from .kv_pool import PagedKVPool
 from .timing import PhaseRecord, TimingLog
 
@@ -331,7 +331,7 @@ def _process_main(cfg: ClusterConfig, rank: int, fabric_info, pool_kv: torch.Ten
                 break
             if msg[0] == "stop":
                 break
-            _, seq, rows, return_logits = msg
+            _, seq, rows, return_logits, handoffs = msg
             try:
                 table = np.frombuffer(bytearray(tables.wait_table(seq, cfg.metadata_timeout_s)), dtype=np.int32)
                 if tables.last_seq != seq:
@@ -341,7 +341,7 @@ def _process_main(cfg: ClusterConfig, rank: int, fabric_info, pool_kv: torch.Ten
                 continue
             taken[rank] = seq  # the context buffer is free for the next table (the driver may queue one)
             try:
-                out = instance.run_iteration(RoutingTables.parse(table), rows, return_logits)
+                out = instance.run_iteration(RoutingTables.parse(table), rows, return_logits, handoffs)
                 conn.send(("ok", seq, out, instance.timing.records))
                 instance.timing.records = []
             except StaleBlockTableError as e:  # refused before any exchange: the driver may send a full snapshot
@@ -361,6 +361,7 @@ class Launch:
     rows: list[dict[int, RowInput]]
     return_logits: bool
     full_tables: FullTables | None
+    handoffs: list[list[Handoff]]  # per instance: kept tokens it sends to a request's new MoE instance
     deadline: float
     retries: list[int]  # resends so far, per instance
     answers: dict[int, tuple] = field(default_factory=dict)  # instance -> ("ok", outputs, records) | ("error", ...)
@@ -441,14 +442,17 @@ class ProcessCluster(_LocalPools):
         rows: list[dict[int, RowInput]],
         return_logits: bool = False,
         full_tables: FullTables | None = None,
+        handoffs: list[list[Handoff]] | None = None,
     ) -> Launch:
-        """Send an iteration to every instance; it runs once they finish the ones launched before it."""
+        """Send an iteration to every instance; it runs once they finish the ones launched before it. `handoffs`
+        (per instance) hand the tokens an instance kept to the new MoE instance of a request that moved."""
         if len(self._outstanding) >= self.max_outstanding:
             raise RuntimeError(f"at most {self.max_outstanding} iterations can be outstanding; collect one first")
         n = self.cfg.num_instances
         sent = [self.feed.pick(r, tables, full_tables) for r in range(n)]
         deadline = time.monotonic() + self.cfg.timeout_s * 2 + 5
-        launch = Launch(sent, rows, return_logits, full_tables, deadline, [0] * n)
+        handoffs = handoffs or [[] for _ in range(n)]
+        launch = Launch(sent, rows, return_logits, full_tables, handoffs, deadline, [0] * n)
         self._outstanding.append(launch)
         for r in range(n):
             self._wait_until_free(r, deadline)
@@ -505,7 +509,7 @@ class ProcessCluster(_LocalPools):
             self._senders[r].push(seq, launch.sent[r].tobytes())
         self._waiting[(r, seq)] = launch
         try:
-            self._conns[r].send(("run", seq, launch.rows[r], launch.return_logits))
+            self._conns[r].send(("run", seq, launch.rows[r], launch.return_logits, launch.handoffs[r]))
         except OSError:  # broken pipe: the process is gone
             self._lost_instance(r)
 

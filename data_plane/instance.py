@@ -90,6 +90,17 @@ class RowInput:
     output_index: int  # index in the request's output of the token the first sub-step produces
     fallback_seed: int
     key: int = -1  # the request's stable key: names the token kept for it across iterations
+    # a KEPT_TOKEN row whose request moved here: (instance that kept its token, row of this instance's handoff buffer)
+    handoff: tuple[int, int] | None = None
+
+
+@dataclass(frozen=True)
+class Handoff:
+    """A token this instance kept for a request that moved: it goes to row `row` of instance `dst`'s buffer."""
+
+    key: int
+    dst: int
+    row: int
 
 
 @dataclass(frozen=True)
@@ -140,6 +151,8 @@ class DecodeInstance:
         self.res_route = RoutingBackend(
             fabric, "res", max(1, limits.max_res_recv), (heads, dv + 1), torch.float32, timeout_s
         )
+        # Kept tokens of requests whose MoE instance changed between overlapped iterations (one int64 per row).
+        self.token_route = RoutingBackend(fabric, "token", max(1, limits.max_moe_batch), (1,), torch.int64, timeout_s)
         self.dispatcher = None
         self.local_experts = range(0)
         # The packed exchange serves eager-only instances; a graph engine or a dispatcher backend needs the slabs.
@@ -189,10 +202,14 @@ class DecodeInstance:
 
     @torch.no_grad()
     def run_iteration(
-        self, table: RoutingTables, rows: dict[int, RowInput], return_logits: bool = False
+        self,
+        table: RoutingTables,
+        rows: dict[int, RowInput],
+        return_logits: bool = False,
+        handoffs: list[Handoff] = (),
     ) -> list[RowOutput]:
         """Run every layer for this instance's part of the plan, blocking on the fabric at each exchange."""
-        steps = self.iteration(table, rows, return_logits)
+        steps = self.iteration(table, rows, return_logits, handoffs)
         try:
             wait = next(steps)
             while True:
@@ -202,9 +219,12 @@ class DecodeInstance:
         except StopIteration as done:
             return done.value
 
-    def iteration(self, table: RoutingTables, rows: dict[int, RowInput], return_logits: bool = False):
+    def iteration(
+        self, table: RoutingTables, rows: dict[int, RowInput], return_logits: bool = False, handoffs: list[Handoff] = ()
+    ):
         """The iteration as a generator: it yields a `Wait` at every exchange and returns the sampled rows, one per
-        (MoE row, sub-step inside its window), in sub-step order.
+        (MoE row, sub-step inside its window), in sub-step order. `handoffs`: tokens this instance kept for
+        requests that moved to another MoE instance; they are sent before anything else.
 
         `run_iteration` blocks on each Wait (one thread or process per instance); `InlineCluster` drives all
         instances' generators from one thread, resuming whichever instance's Wait is satisfied. The table is checked
@@ -212,6 +232,7 @@ class DecodeInstance:
         """
         self._check_table(table, rows)
         self.block_store.apply(table)
+        yield from self._hand_off(table.iteration, rows, handoffs)
         shape = table.shape
         ctx = dict(
             iteration=table.iteration,
@@ -256,13 +277,28 @@ class DecodeInstance:
         self.keep_tokens(rows, tables.batch_indices, tokens)
         return outputs
 
+    def _hand_off(self, seq: int, rows: dict[int, RowInput], handoffs: list[Handoff]):
+        """Send the kept tokens of requests that moved away; wait for those of requests that moved here."""
+        if handoffs:
+            missing = [h.key for h in handoffs if h.key not in self._kept]
+            if missing:
+                raise ValueError(f"instance {self.rank}: no kept token to hand off for request keys {missing}")
+            tokens = torch.tensor([[self._kept[h.key]] for h in handoffs], dtype=torch.int64)  # [n, 1]
+            self.token_route.send([(h.dst, i, h.row) for i, h in enumerate(handoffs)], tokens, seq)
+        sources = {row.handoff[0] for row in rows.values() if row.handoff is not None}
+        if sources:
+            yield Wait(self.token_route.wait_flags(sources, seq))
+
     def input_tokens(self, rows: dict[int, RowInput], batch_indices: list[int]) -> list[int]:
-        """The first sub-step's input of each MoE row: the driver's token, or the one kept for its request."""
+        """The first sub-step's input of each MoE row: the driver's token, or the one kept for its request (here,
+        or handed over by the instance that had it)."""
         tokens = []
         for b in batch_indices:
             row = rows[b]
             if row.token != KEPT_TOKEN:
                 tokens.append(row.token)
+            elif row.handoff is not None:
+                tokens.append(int(self.token_route.recv[row.handoff[1], 0]))
             elif row.key in self._kept:
                 tokens.append(self._kept[row.key])
             else:

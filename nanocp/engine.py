@@ -20,7 +20,7 @@ import torch
 from nanocp.control_plane import Admission, ClusterSpec, CPBucketTable, GlobalScheduler, IterationPlan
 from nanocp.data_plane.cluster import ClusterConfig, InstanceFailure, make_cluster
 from nanocp.data_plane.decode_layers import DecodeWeights
-from nanocp.data_plane.instance import KEPT_TOKEN, InstanceLimits, RowInput, RowOutput
+from nanocp.data_plane.instance import KEPT_TOKEN, Handoff, InstanceLimits, RowInput, RowOutput
 from nanocp.data_plane.packed_prefill import prefill_packed
 from nanocp.data_plane.sampling import SamplingParams, sample_tokens
 from nanocp.data_plane.timing import PhaseRecord
@@ -348,32 +348,37 @@ class Engine:
     def _can_overlap(self, plan: IterationPlan, rows: _MoeRows) -> bool:
         """Whether `plan` may be sent before the iteration in flight returns. Not when it admits: a page freed since
         that iteration was sent (a request ended, preempted) must not take a prompt's KV while the iteration may
-        still write it; decode growth into such a page is safe, as each instance runs its iterations in order. Not
-        when a continuing request moves to another MoE instance: its kept token is on the old one."""
-        if not plan.batch or plan.admitted:
-            return False
-        before = self._inflight.rows.moe_instance
-        return all(before.get(rid, instance) == instance for rid, instance in rows.moe_instance.items())
+        still write it; decode growth into such a page is safe, as each instance runs its iterations in order. A
+        continuing request that moves to another MoE instance gets its kept token handed over (`_launch`)."""
+        return bool(plan.batch) and not plan.admitted
 
     def _launch(self, plan: IterationPlan, moe_rows: _MoeRows) -> _InFlight:
         """The plan's routing tables and each MoE row's input to the cluster. A request whose tokens are still in
-        flight gets KEPT_TOKEN: its MoE instance feeds it the token it sampled last."""
-        batch = plan.batch
-        pending = self._inflight.rows.window if self._inflight is not None else {}
-        rows: list[dict[int, RowInput]] = [{} for _ in range(self.spec.num_instances)]
+        flight gets KEPT_TOKEN: its MoE instance feeds it the token it sampled last, or, when the request moved,
+        the instance that sampled it hands it over first (`Handoff`)."""
+        batch, n = plan.batch, self.spec.num_instances
+        pending = self._inflight.rows if self._inflight is not None else _MoeRows({}, {})
+        rows: list[dict[int, RowInput]] = [{} for _ in range(n)]
+        handoffs: list[list[Handoff]] = [[] for _ in range(n)]
+        received = [0] * n  # handed-over tokens per destination instance (its buffer rows)
         for batch_index, rid in enumerate(batch):
-            req = self.requests[rid]
-            if rid in pending:
-                row = RowInput(KEPT_TOKEN, req.params, len(req.output) + pending[rid], req.seed, req.key)
+            req, instance = self.requests[rid], moe_rows.moe_instance[rid]
+            if rid in pending.window:
+                row = RowInput(KEPT_TOKEN, req.params, len(req.output) + pending.window[rid], req.seed, req.key)
+                before = pending.moe_instance[rid]
+                if before != instance:  # moved: the instance that sampled its token hands it over
+                    row.handoff = (before, received[instance])
+                    handoffs[before].append(Handoff(req.key, instance, received[instance]))
+                    received[instance] += 1
             else:
                 row = RowInput(req.output[-1], req.params, len(req.output), req.seed, req.key)
-            rows[moe_rows.moe_instance[rid]][batch_index] = row
+            rows[instance][batch_index] = row
         keep = any(self.requests[rid].keep_logits for rid in batch)
         inflight = _InFlight(list(batch), moe_rows, None)
         if not getattr(self.cluster, "incremental_tables", False):  # a cluster that tracks no store state
             inflight.outputs = self.cluster.run_iteration(plan.full_tables(), rows, keep)
         elif self.overlaps:
-            inflight.launch = self.cluster.launch(plan.tables, rows, keep, full_tables=plan.full_tables)
+            inflight.launch = self.cluster.launch(plan.tables, rows, keep, plan.full_tables, handoffs)
             self.overlapped_iterations += self._inflight is not None
         else:
             inflight.outputs = self.cluster.run_iteration(plan.tables, rows, keep, full_tables=plan.full_tables)

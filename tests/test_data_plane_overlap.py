@@ -13,8 +13,9 @@ from test_data_plane import assert_logits_close
 from nanocp import SamplingParams
 from nanocp.comm.metadata_channel import Fault
 from nanocp.control_plane import CPBucketTable
+from nanocp.control_plane.lowering import RoutingTables
 from nanocp.data_plane.cluster import ClusterConfig, InlineCluster, InstanceFailure
-from nanocp.data_plane.instance import KEPT_TOKEN, InstanceLimits, RowInput
+from nanocp.data_plane.instance import KEPT_TOKEN, Handoff, InstanceLimits, RowInput
 from nanocp.engine import Engine, EngineConfig
 
 FORCE_CP = CPBucketTable((24, 10**9), (1, 2))  # prompts longer than 24 tokens are split over 2 instances
@@ -113,9 +114,9 @@ def test_steady_decode_overlaps_every_iteration_but_the_first_and_the_last(engin
         eng.release(f"s{i}")
 
 
-def test_a_plan_that_ends_requests_still_overlaps(engines, monkeypatch):
-    # every request joins in the first step, then they end one after another (length): only the admitting plan and
-    # a plan that moves a continuing request to another MoE instance (its kept token is on the old one) wait
+def test_plans_that_end_or_move_requests_still_overlap(engines, monkeypatch):
+    # every request joins in the first step, then they end one after another (length) and the policy moves some
+    # to rebalance: only the admitting plan waits; a moved request's kept token is handed to its new instance
     eng = engines[True]
     decisions = []
     can_overlap = eng._can_overlap
@@ -123,20 +124,29 @@ def test_a_plan_that_ends_requests_still_overlaps(engines, monkeypatch):
     def recorded(plan, rows):
         before = eng._inflight.rows.moe_instance
         moved = any(before.get(rid, i) != i for rid, i in rows.moe_instance.items())
-        decisions.append((bool(plan.finished), bool(plan.batch) and not moved, can_overlap(plan, rows)))
+        decisions.append((bool(plan.finished), moved, can_overlap(plan, rows)))
         return decisions[-1][2]
 
     monkeypatch.setattr(eng, "_can_overlap", recorded)
     lengths = [3, 5, 8, 11, 4, 9]
-    for i, (prompt, n) in enumerate(zip(random_prompts(len(lengths), seed=13), lengths)):
+    prompts = random_prompts(len(lengths), seed=13)
+    for i, (prompt, n) in enumerate(zip(prompts, lengths)):
         eng.add_request(f"e{i}", prompt, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
     while eng.has_unfinished():
         eng.step()
-    assert [expected for _, expected, _ in decisions] == [overlapped for _, _, overlapped in decisions]
-    assert any(ends and overlapped for ends, _, overlapped in decisions)
-    assert [len(eng.output_of(f"e{i}").token_ids) for i in range(len(lengths))] == lengths
-    for i in range(len(lengths)):
-        eng.release(f"e{i}")
+    assert [overlapped for _, _, overlapped in decisions[:-1]] == [True] * (len(decisions) - 1)
+    assert any(ends for ends, _, _ in decisions) and any(moved for _, moved, _ in decisions)
+    outs = {f"e{i}": eng.output_of(f"e{i}").token_ids for i in range(len(lengths))}
+    for rid in outs:
+        eng.release(rid)
+    sequential = engines[False]
+    for i, (prompt, n) in enumerate(zip(prompts, lengths)):
+        sequential.add_request(f"e{i}", prompt, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
+    while sequential.has_unfinished():
+        sequential.step()
+    assert outs == {rid: sequential.output_of(rid).token_ids for rid in outs}
+    for rid in outs:
+        sequential.release(rid)
 
 
 def test_multistep_windows_overlap_with_the_same_tokens():
@@ -210,5 +220,10 @@ def test_a_kept_token_the_instance_does_not_have_is_a_clear_error():
         tables = [np.asarray(t) for t in plan.full_tables()]
         out = cluster.run_iteration(tables, [{0: RowInput(3, SamplingParams(max_tokens=4), 1, 0, key=77)}])
         assert len(out) == 1
+        # the token kept for key 77 can be handed off; one for a key this instance never sampled cannot
+        instance, table = cluster.instances[0], RoutingTables.parse(plan.full_tables()[0])
+        row = {0: RowInput(3, SamplingParams(max_tokens=4), 1, 0, key=77)}
+        with pytest.raises(ValueError, match=r"no kept token to hand off for request keys \[78\]"):
+            instance.run_iteration(table, row, False, [Handoff(78, 0, 0)])
     finally:
         cluster.close()
