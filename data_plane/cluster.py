@@ -43,7 +43,7 @@ from .block_store import StaleBlockTableError
 from .decode_layers import DecodeWeights
 from .experts import owned_experts
 from .graph_runner import build_graph_engine
-from .instance import DecodeInstance, Handoff, InstanceLimits, RowInput, RowOutput
+from .instance import DecodeInstance, Handoff, InstanceLimits, RowInput, RowOutput, fabric_flags
 from .kv_pool import PagedKVPool
 from .timing import PhaseRecord, TimingLog
 
@@ -165,7 +165,7 @@ class _InProcessCluster(_LocalPools):
         self.cfg = cfg
         self.feed = TableFeed(cfg.num_instances)
         self.pools = allocate_pools(cfg, shared=False)
-        fabrics = InProcessFabric.create(cfg.num_instances, num_flags=64)
+        fabrics = InProcessFabric.create(cfg.num_instances, num_flags=fabric_flags(cfg.num_instances))
         shared = shared_weights(cfg)
         # Buffer registration is collective (it ends in a barrier): build every instance concurrently.
         futures = [
@@ -385,7 +385,7 @@ class ProcessCluster(_LocalPools):
         self.cfg = cfg
         self.feed = TableFeed(cfg.num_instances)
         self.pools = allocate_pools(cfg, shared=True)
-        self._info = ShmFabric.new_session(cfg.num_instances, num_flags=64)
+        self._info = ShmFabric.new_session(cfg.num_instances, num_flags=fabric_flags(cfg.num_instances))
         self._taken = torch.zeros(cfg.num_instances, dtype=torch.int64).share_memory_()
         self._taken_now = self._taken.numpy()  # the driver's view (a numpy read costs far less than a tensor's)
         ctx = mp.get_context("spawn")

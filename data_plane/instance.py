@@ -78,6 +78,12 @@ class InstanceLimits:
     max_res_recv: int  # partial results received from other instances
 
 
+def fabric_flags(world_size: int) -> int:
+    """Flags a fabric needs for decode instances: each exchange (Q, Res, token handoff, MoE dispatch, MoE combine)
+    reserves one per peer."""
+    return 5 * world_size
+
+
 KEPT_TOKEN = -1  # RowInput.token: the token this instance sampled last for the row's request (overlapped iterations)
 
 

@@ -29,12 +29,11 @@ from nanocp.control_plane.lowering import RoutingTables
 
 from .block_store import StaleBlockTableError
 from .cluster import ClusterConfig, FullTables, InstanceFailure, TableFeed, allocate_pools, build_instance
-from .instance import RowInput, RowOutput
+from .instance import RowInput, RowOutput, fabric_flags
 from .timing import PhaseRecord
 
 FABRICS = ("auto", "shm", "dist")
 log = logging.getLogger("nanocp.ray")
-NUM_FLAGS = 64
 
 
 @dataclass(frozen=True)
@@ -111,7 +110,7 @@ class InstanceActor:
                 "gloo", init_method=arg, rank=self.rank, world_size=cfg.num_instances, timeout=timedelta(seconds=120)
             )
             self.distributed = True
-            self.fabric = TorchDistFabric(num_flags=NUM_FLAGS)
+            self.fabric = TorchDistFabric(num_flags=fabric_flags(cfg.num_instances))
         pool = allocate_pools(replace(cfg, num_instances=1), shared=False)[0]  # this instance's pool only
         self.instance = build_instance(cfg, self.rank, self.fabric, pool)
         return "ok"
@@ -247,7 +246,7 @@ class RayCluster:
 
         actors = self._h.actors
         if self.fabric == "shm":
-            self._h.shm = ShmFabric.new_session(self.cfg.num_instances, NUM_FLAGS)
+            self._h.shm = ShmFabric.new_session(self.cfg.num_instances, fabric_flags(self.cfg.num_instances))
             self._h.shm_node = self.locations[0].node_id
             arg = self._h.shm
         else:
