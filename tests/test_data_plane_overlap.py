@@ -182,6 +182,28 @@ def test_preemption_under_overlap_keeps_outputs_identical():
     assert results[False] == results[True]
 
 
+def test_an_abort_while_iterations_are_in_flight_loses_nothing_else(engines):
+    prompts = random_prompts(5, seed=51)
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    results = {}
+    for overlap, eng in engines.items():
+        for i, prompt in enumerate(prompts):
+            eng.add_request(f"a{i}", prompt, params)
+        for _ in range(4):
+            eng.step()
+        eng.abort("a2")
+        while eng.has_unfinished():
+            eng.step()
+        results[overlap] = {f"a{i}": eng.output_of(f"a{i}") for i in range(len(prompts))}
+        for i in range(len(prompts)):
+            eng.release(f"a{i}")
+    for overlap in engines:
+        assert results[overlap]["a2"].finish_reason == "abort"
+    kept = [f"a{i}" for i in (0, 1, 3, 4)]
+    assert {rid: results[True][rid].token_ids for rid in kept} == {rid: results[False][rid].token_ids for rid in kept}
+    assert all(len(results[True][rid].token_ids) == 12 for rid in kept)
+
+
 def test_lost_tables_of_queued_iterations_are_resent(engines):
     prompts = random_prompts(6, seed=41)
     params = [SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True) for _ in prompts]
