@@ -48,8 +48,8 @@ class EngineConfig:
     use_graphs: bool = False  # AOT graph engine (buckets over the execution shape, one static pool)
     num_steps: int = 1  # decode steps per iteration (multi-step execution: one plan, k sub-steps on the instances)
     # Overlapped iterations (processes backend): plan and send iteration t + 1 while the instances run t; each
-    # instance feeds a continuing request the token it sampled itself. Falls back to one iteration at a time for a
-    # plan that admits, finishes, preempts or moves a request.
+    # instance feeds a continuing request the token it sampled itself (handed over when the request moves). A plan
+    # that admits a request waits for the iteration in flight.
     overlap: bool = True
     # CDSP prefill tier (Tetris): 0 = the driver prefills admitted prompts itself (packed, one device); N > 0 = N
     # prefill instances compute prompts with chunkwise dynamic SP and hand the KV straight to the decode pages.
