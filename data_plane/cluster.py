@@ -254,11 +254,15 @@ class InlineCluster(_InProcessCluster):
         rows: list[dict[int, RowInput]],
         return_logits: bool = False,
         full_tables: FullTables | None = None,
+        handoffs: list[list[Handoff]] | None = None,
     ) -> list[RowOutput]:
+        """`handoffs`: per instance, kept tokens it sends to a request's new MoE instance (rows fed KEPT_TOKEN by
+        an iteration run before this one)."""
         sent = [self.feed.pick(r, tables, full_tables) for r in range(len(self.instances))]
 
         def start(r: int):
-            return self.instances[r].iteration(RoutingTables.parse(sent[r]), rows[r], return_logits)
+            table = RoutingTables.parse(sent[r])
+            return self.instances[r].iteration(table, rows[r], return_logits, handoffs[r] if handoffs else ())
 
         def restart(r: int, error: StaleBlockTableError):  # refused on its first resume, before any exchange
             if not TableFeed.can_resend_full(sent[r], full_tables):

@@ -49,7 +49,7 @@ class EngineConfig:
     num_steps: int = 1  # decode steps per iteration (multi-step execution: one plan, k sub-steps on the instances)
     # Overlapped iterations (processes backend): plan and send iteration t + 1 while the instances run t; each
     # instance feeds a continuing request the token it sampled itself (handed over when the request moves). A plan
-    # that admits a request waits for the iteration in flight.
+    # that admits a request waits for the iteration in flight only when a page it got may still be touched by it.
     overlap: bool = True
     # CDSP prefill tier (Tetris): 0 = the driver prefills admitted prompts itself (packed, one device); N > 0 = N
     # prefill instances compute prompts with chunkwise dynamic SP and hand the KV straight to the decode pages.
@@ -178,6 +178,8 @@ class Engine:
         self._keys = itertools.count()
         self._inflight: _InFlight | None = None
         self.overlapped_iterations = 0  # iterations sent while the previous one was still running
+        # (instance, frame) pages of requests of the iteration in flight that freed them (or will, at the next plan)
+        self._released_pages: dict[str, frozenset[tuple[int, int]]] = {}
 
     def _build_cluster(self, spec: ClusterSpec) -> None:
         """A scheduler and a decode cluster of spec.num_instances instances (the experts split over them)."""
@@ -281,7 +283,7 @@ class Engine:
         if req is None or req.finish_reason is not None:
             return
         if rid in self.scheduler:
-            self.scheduler.finish(rid)
+            self._finish_in_scheduler(rid)
         self._end(req, "abort")
 
     def has_unfinished(self) -> bool:
@@ -346,11 +348,42 @@ class Engine:
         return _MoeRows(moe_instance, window)
 
     def _can_overlap(self, plan: IterationPlan, rows: _MoeRows) -> bool:
-        """Whether `plan` may be sent before the iteration in flight returns. Not when it admits: a page freed since
-        that iteration was sent (a request ended, preempted) must not take a prompt's KV while the iteration may
-        still write it; decode growth into such a page is safe, as each instance runs its iterations in order. A
-        continuing request that moves to another MoE instance gets its kept token handed over (`_launch`)."""
-        return bool(plan.batch) and not plan.admitted
+        """Whether `plan` may be sent before the iteration in flight returns. Decode growth is always safe, as each
+        instance runs its iterations in order; an admission only when its prefill writes no page the iteration in
+        flight may still touch (`_admission_is_safe`). A continuing request that moves to another MoE instance gets
+        its kept token handed over (`_launch`)."""
+        return bool(plan.batch) and (not plan.admitted or self._admission_is_safe(plan))
+
+    def _admission_is_safe(self, plan: IterationPlan) -> bool:
+        """Whether the plan's prefills may write their KV while the iteration in flight runs. That iteration reads
+        and writes the pages of its batch; a request of it that has freed its pages since (it ended, was aborted
+        or preempted) may have passed them to an admitted request (frees are reused first). Safe when no admitted
+        request is in flight itself and no page an admitted request got is one of those: each such request's pages
+        were recorded when it freed them (`_finish_in_scheduler`) or, for a length end the scheduler applies at
+        this plan, when its last iteration was sent (`_launch`); a preemption's pages are not known, so it waits."""
+        in_flight = set(self._inflight.batch)
+        if any(adm.rid in in_flight for adm in plan.admitted):
+            return False
+        freed: set[tuple[int, int]] = set()
+        for rid in in_flight.difference(plan.batch):
+            if rid in self.scheduler and self.scheduler.request_state(rid).running:
+                continue  # not batched this time but still holds its pages
+            pages = self._released_pages.get(rid)
+            if pages is None:
+                return False
+            freed |= pages
+        return all(self._pages_of(adm.rid).isdisjoint(freed) for adm in plan.admitted)
+
+    def _pages_of(self, rid: str) -> frozenset[tuple[int, int]]:
+        """(instance, frame) of every page of a running request."""
+        return frozenset((instance, f) for instance, _, frames in self.scheduler.shard_pages(rid) for f in frames)
+
+    def _finish_in_scheduler(self, rid: str) -> None:
+        """End a live request in the scheduler (its pages are freed now); with overlapped iterations, its pages are
+        recorded first, for `_admission_is_safe`."""
+        if self.overlaps and self.scheduler.request_state(rid).running:
+            self._released_pages[rid] = self._pages_of(rid)
+        self.scheduler.finish(rid)
 
     def _launch(self, plan: IterationPlan, moe_rows: _MoeRows) -> _InFlight:
         """The plan's routing tables and each MoE row's input to the cluster. A request whose tokens are still in
@@ -375,6 +408,8 @@ class Engine:
             rows[instance][batch_index] = row
         keep = any(self.requests[rid].keep_logits for rid in batch)
         inflight = _InFlight(list(batch), moe_rows, None)
+        if self.overlaps:
+            self._record_last_pages(batch, moe_rows, pending)
         if not getattr(self.cluster, "incremental_tables", False):  # a cluster that tracks no store state
             inflight.outputs = self.cluster.run_iteration(plan.full_tables(), rows, keep)
         elif self.overlaps:
@@ -383,6 +418,18 @@ class Engine:
         else:
             inflight.outputs = self.cluster.run_iteration(plan.tables, rows, keep, full_tables=plan.full_tables)
         return inflight
+
+    def _record_last_pages(self, batch: list[str], moe_rows: _MoeRows, pending: _MoeRows) -> None:
+        """Keep the freed-page records of this batch's requests only (no other can touch a page while it runs), and
+        record the pages of each request this iteration brings to max_tokens: the scheduler frees them at the next
+        plan, while the iteration may still run."""
+        in_batch = set(batch)
+        self._released_pages = {rid: p for rid, p in self._released_pages.items() if rid in in_batch}
+        for rid in batch:
+            req = self.requests[rid]
+            tokens_after = len(req.output) + pending.window.get(rid, 0) + moe_rows.window[rid]
+            if tokens_after + 1 >= req.params.max_tokens and rid not in self._released_pages and rid in self.scheduler:
+                self._released_pages[rid] = self._pages_of(rid)
 
     def _collect(self) -> bool:
         """Append the tokens of the iteration in flight. False when the cluster failed: it is rebuilt (anything
@@ -457,7 +504,7 @@ class Engine:
         reason = self._stop_reason(req, token)
         if reason is not None:
             if req.rid in self.scheduler:
-                self.scheduler.finish(req.rid)  # pages back now, not at the next iteration
+                self._finish_in_scheduler(req.rid)  # pages back now, not at the next iteration
             self._end(req, reason)
 
     def _stop_reason(self, req: _Request, token: int) -> str | None:

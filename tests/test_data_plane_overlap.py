@@ -249,3 +249,105 @@ def test_a_kept_token_the_instance_does_not_have_is_a_clear_error():
             instance.run_iteration(table, row, False, [Handoff(78, 0, 0)])
     finally:
         cluster.close()
+
+
+class DeferredCluster(InlineCluster):
+    """An inline cluster that runs an iteration only when it is collected: whatever the driver writes while an
+    iteration is in flight (an admission's prefill KV) lands before that iteration reads or writes any page. The
+    processes backend's race at its worst, made deterministic."""
+
+    overlaps = True
+
+    def launch(self, tables, rows, return_logits, full_tables, handoffs):
+        sent = [self.feed.pick(r, tables, full_tables) for r in range(len(tables))]  # the plan is live only now
+        for r, table in enumerate(sent):
+            self.feed.held_now(r, table)
+        return sent, rows, return_logits, handoffs
+
+    def collect(self, launch) -> list:
+        sent, rows, return_logits, handoffs = launch
+        return self.run_iteration(sent, rows, return_logits, None, handoffs)
+
+
+def deferred_engine() -> Engine:
+    eng = engine(False, backend="inline")
+    cfg = eng.cluster.cfg
+    eng.cluster.close()
+    eng.cluster = DeferredCluster(cfg)
+    eng.overlaps = True
+    return eng
+
+
+def recorded_admissions(eng: Engine, monkeypatch) -> list[bool]:
+    """The overlap decision of every plan that admits while an iteration is in flight."""
+    decisions = []
+    can_overlap = eng._can_overlap
+
+    def recorded(plan, rows):
+        overlapped = can_overlap(plan, rows)
+        if plan.admitted:
+            decisions.append(overlapped)
+        return overlapped
+
+    monkeypatch.setattr(eng, "_can_overlap", recorded)
+    return decisions
+
+
+@pytest.mark.parametrize("seed", [3, 8])
+def test_admissions_overlap_only_into_pages_no_iteration_in_flight_touches(seed, monkeypatch):
+    # requests join two per step while others end on tokens and on length: freed pages are reused first, so some
+    # admissions get pages a request of the iteration in flight had; those must wait, the others may overlap
+    prompts = random_prompts(16, seed=seed)
+    params = mixed_params(len(prompts), seed=seed + 1)
+    reference = engine(False, backend="inline")
+    deferred = deferred_engine()
+    try:
+        decisions = recorded_admissions(deferred, monkeypatch)
+        expected = tokens_of(run_staggered(reference, prompts, params))
+        assert tokens_of(run_staggered(deferred, prompts, params)) == expected
+        assert True in decisions and False in decisions  # both outcomes of the check were exercised
+        assert deferred.overlapped_iterations > 0
+    finally:
+        reference.close()
+        deferred.close()
+
+
+def admit_into_the_pages_of_a_request_in_its_last_iteration(eng: Engine) -> tuple[list[int], list[int]]:
+    """A decodes 3 tokens; B arrives while A's last iteration is in flight, when the scheduler has freed A's pages
+    (length end at that plan) and hands them to B first. -> A's and B's tokens."""
+    a, b = random_prompts(2, seed=21, low=30, high=40)
+    greedy = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    eng.add_request("a", a, greedy)
+    eng.step()  # admits A
+    eng.step()  # A's second iteration goes out before the first one's token is back
+    eng.add_request("b", b, greedy)
+    while eng.has_unfinished():
+        eng.step()
+    return eng.output_of("a").token_ids, eng.output_of("b").token_ids
+
+
+def test_an_admission_into_pages_the_iteration_in_flight_reads_waits_for_it(monkeypatch):
+    reference = engine(False, backend="inline")
+    deferred = deferred_engine()
+    try:
+        decisions = recorded_admissions(deferred, monkeypatch)
+        expected = admit_into_the_pages_of_a_request_in_its_last_iteration(reference)
+        assert admit_into_the_pages_of_a_request_in_its_last_iteration(deferred) == expected
+        assert decisions == [False]  # B waits for A's last iteration (A was admitted with nothing in flight)
+    finally:
+        reference.close()
+        deferred.close()
+
+
+def test_without_the_page_check_that_admission_corrupts_outputs(monkeypatch):
+    # the deferred cluster makes the hazard visible: admitted anyway, B's prompt KV lands in A's pages before A's
+    # last iteration reads them and writes its own KV into one of them
+    reference = engine(False, backend="inline")
+    deferred = deferred_engine()
+    try:
+        monkeypatch.setattr(deferred, "_admission_is_safe", lambda plan: True)
+        expected = admit_into_the_pages_of_a_request_in_its_last_iteration(reference)
+        assert admit_into_the_pages_of_a_request_in_its_last_iteration(deferred) != expected
+    finally:
+        reference.close()
+        deferred.close()
