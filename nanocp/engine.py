@@ -51,6 +51,9 @@ class EngineConfig:
     # instance feeds a continuing request the token it sampled itself (handed over when the request moves). A plan
     # that admits a request waits for the iteration in flight only when a page it got may still be touched by it.
     overlap: bool = True
+    # With overlap: an admitting plan overlaps too when no page it got may still be touched by the iteration in
+    # flight (False: every admitting plan waits for that iteration, as before this check existed).
+    overlap_admissions: bool = True
     # CDSP prefill tier (Tetris): 0 = the driver prefills admitted prompts itself (packed, one device); N > 0 = N
     # prefill instances compute prompts with chunkwise dynamic SP and hand the KV straight to the decode pages.
     prefill_instances: int = 0
@@ -178,6 +181,8 @@ class Engine:
         self._keys = itertools.count()
         self._inflight: _InFlight | None = None
         self.overlapped_iterations = 0  # iterations sent while the previous one was still running
+        self.admissions_in_flight = 0  # admitting plans made while an iteration was in flight
+        self.overlapped_admissions = 0  # ... of which sent before that iteration returned
         # (instance, frame) pages of requests of the iteration in flight that freed them (or will, at the next plan)
         self._released_pages: dict[str, frozenset[tuple[int, int]]] = {}
 
@@ -302,6 +307,9 @@ class Engine:
         # lowered now: a request that ends in its prefill is still in this batch (an empty batch lowers nothing)
         rows = self._moe_rows(plan) if plan.batch else _MoeRows({}, {})
         overlapped = self._inflight is not None and self._can_overlap(plan, rows)
+        if plan.admitted and self._inflight is not None:
+            self.admissions_in_flight += 1
+            self.overlapped_admissions += overlapped
         if self._inflight is not None and not overlapped and not self._collect():
             return self._take_done()  # the cluster failed and was rebuilt: the next step plans anew
         if not overlapped:
@@ -352,7 +360,9 @@ class Engine:
         instance runs its iterations in order; an admission only when its prefill writes no page the iteration in
         flight may still touch (`_admission_is_safe`). A continuing request that moves to another MoE instance gets
         its kept token handed over (`_launch`)."""
-        return bool(plan.batch) and (not plan.admitted or self._admission_is_safe(plan))
+        if not plan.admitted:
+            return bool(plan.batch)
+        return bool(plan.batch) and self.config.overlap_admissions and self._admission_is_safe(plan)
 
     def _admission_is_safe(self, plan: IterationPlan) -> bool:
         """Whether the plan's prefills may write their KV while the iteration in flight runs. That iteration reads

@@ -269,8 +269,8 @@ class DeferredCluster(InlineCluster):
         return self.run_iteration(sent, rows, return_logits, None, handoffs)
 
 
-def deferred_engine() -> Engine:
-    eng = engine(False, backend="inline")
+def deferred_engine(**kwargs) -> Engine:
+    eng = engine(False, backend="inline", **kwargs)
     cfg = eng.cluster.cfg
     eng.cluster.close()
     eng.cluster = DeferredCluster(cfg)
@@ -348,6 +348,25 @@ def test_without_the_page_check_that_admission_corrupts_outputs(monkeypatch):
         monkeypatch.setattr(deferred, "_admission_is_safe", lambda plan: True)
         expected = admit_into_the_pages_of_a_request_in_its_last_iteration(reference)
         assert admit_into_the_pages_of_a_request_in_its_last_iteration(deferred) != expected
+    finally:
+        reference.close()
+        deferred.close()
+
+
+@pytest.mark.parametrize("overlap_admissions", [True, False])
+def test_overlap_admissions_switch_and_counters(overlap_admissions):
+    prompts = random_prompts(12, seed=17)
+    params = mixed_params(len(prompts), seed=18)
+    reference = engine(False, backend="inline")
+    deferred = deferred_engine(overlap_admissions=overlap_admissions)
+    try:
+        expected = tokens_of(run_staggered(reference, prompts, params))
+        assert tokens_of(run_staggered(deferred, prompts, params)) == expected
+        assert deferred.admissions_in_flight > 0
+        if overlap_admissions:
+            assert 0 < deferred.overlapped_admissions <= deferred.admissions_in_flight
+        else:
+            assert deferred.overlapped_admissions == 0
     finally:
         reference.close()
         deferred.close()
