@@ -21,7 +21,7 @@ from nanocp.control_plane import Admission, ClusterSpec, CPBucketTable, GlobalSc
 from nanocp.data_plane.cluster import ClusterConfig, InstanceFailure, make_cluster
 from nanocp.data_plane.decode_layers import DecodeWeights
 from nanocp.data_plane.instance import KEPT_TOKEN, Handoff, InstanceLimits, RowInput, RowOutput
-from nanocp.data_plane.packed_prefill import prefill_packed
+from nanocp.data_plane.packed_prefill import PrefillOutput, prefill_packed
 from nanocp.data_plane.sampling import SamplingParams, sample_tokens
 from nanocp.data_plane.timing import PhaseRecord
 from nanocp.models import load_config, load_model, load_tokenizer
@@ -52,7 +52,8 @@ class EngineConfig:
     # that admits a request waits for the iteration in flight only when a page it got may still be touched by it.
     overlap: bool = True
     # With overlap: an admitting plan overlaps too when no page it got may still be touched by the iteration in
-    # flight (False: every admitting plan waits for that iteration, as before this check existed).
+    # flight; otherwise its prefill is computed while that iteration runs and written after it. False: every
+    # admitting plan waits for the iteration in flight before its prefill.
     overlap_admissions: bool = True
     # CDSP prefill tier (Tetris): 0 = the driver prefills admitted prompts itself (packed, one device); N > 0 = N
     # prefill instances compute prompts with chunkwise dynamic SP and hand the KV straight to the decode pages.
@@ -183,6 +184,7 @@ class Engine:
         self.overlapped_iterations = 0  # iterations sent while the previous one was still running
         self.admissions_in_flight = 0  # admitting plans made while an iteration was in flight
         self.overlapped_admissions = 0  # ... of which sent before that iteration returned
+        self.early_prefills = 0  # ... of the others: prefill computed before that iteration returned
         # (instance, frame) pages of requests of the iteration in flight that freed them (or will, at the next plan)
         self._released_pages: dict[str, frozenset[tuple[int, int]]] = {}
 
@@ -310,12 +312,16 @@ class Engine:
         if plan.admitted and self._inflight is not None:
             self.admissions_in_flight += 1
             self.overlapped_admissions += overlapped
+        computed = None
+        if self._inflight is not None and not overlapped and self._can_prefill_early(plan):
+            computed = self._prefill_packed(plan.admitted)  # while the iteration in flight runs; written after it
+            self.early_prefills += 1
         if self._inflight is not None and not overlapped and not self._collect():
             return self._take_done()  # the cluster failed and was rebuilt: the next step plans anew
         if not overlapped:
             self._apply_plan_ends(plan)
         if plan.admitted:
-            self._prefill(plan.admitted)
+            self._prefill(plan.admitted, computed)
         launched = None
         if plan.batch:
             try:
@@ -383,6 +389,14 @@ class Engine:
                 return False
             freed |= pages
         return all(self._pages_of(adm.rid).isdisjoint(freed) for adm in plan.admitted)
+
+    def _can_prefill_early(self, plan: IterationPlan) -> bool:
+        """Whether an admitting plan that waits for the iteration in flight may compute its prefill before that
+        iteration returns (and write the KV after): the driver's packed prefill (the CDSP tier writes as it
+        computes), and no admitted request in flight (its context would lack that iteration's tokens)."""
+        if not plan.admitted or not self.config.overlap_admissions or self.prefill_tier is not None:
+            return False
+        return not set(self._inflight.batch).intersection(adm.rid for adm in plan.admitted)
 
     def _pages_of(self, rid: str) -> frozenset[tuple[int, int]]:
         """(instance, frame) of every page of a running request."""
@@ -458,15 +472,23 @@ class Engine:
                 self._append(req, out.token, out.logits, now)
         return True
 
-    def _prefill(self, admitted: list[Admission]) -> None:
-        """Compute the admitted contexts' KV and write it into each request's shards, in the pages the scheduler
-        chose (the MoE shard's last `window` slots stay for the tokens this iteration decodes); sample the first
-        output token unless the request already has its next input token (recompute after preemption or a
-        failure). With prefill instances configured, the CDSP tier computes the prompts with chunkwise dynamic SP
-        and hands the KV straight to the decode pages; otherwise the driver prefills all prompts packed."""
-        contexts = {
-            a.rid: (self.requests[a.rid].prompt + self.requests[a.rid].output)[: a.context_len] for a in admitted
-        }
+    def _context(self, adm: Admission) -> list[int]:
+        """The tokens an admission prefills: the prompt, then any output a recompute rebuilds."""
+        req = self.requests[adm.rid]
+        return (req.prompt + req.output)[: adm.context_len]
+
+    def _prefill_packed(self, admitted: list[Admission]) -> list[PrefillOutput]:
+        """The driver's packed prefill of the admitted contexts: per request its KV and logits, nothing written."""
+        contexts = [torch.tensor(self._context(a), dtype=torch.int64) for a in admitted]
+        return prefill_packed(self.prefill_weights, contexts)
+
+    def _prefill(self, admitted: list[Admission], computed: list[PrefillOutput] | None = None) -> None:
+        """Compute the admitted contexts' KV (unless `computed` by `_prefill_packed` already) and write it into each
+        request's shards, in the pages the scheduler chose (the MoE shard's last `window` slots stay for the tokens
+        this iteration decodes); sample the first output token unless the request already has its next input token
+        (recompute after preemption or a failure). With prefill instances configured, the CDSP tier computes the
+        prompts with chunkwise dynamic SP and hands the KV straight to the decode pages; otherwise the driver
+        prefills all prompts packed."""
         destinations = {}
         for adm in admitted:
             moe = self.scheduler.request_state(adm.rid).moe_instance
@@ -474,12 +496,10 @@ class Engine:
             window = sum(n_tokens for _, n_tokens, _ in shards) - adm.context_len  # slots reserved for decoding
             destinations[adm.rid] = KVDestination.from_shard_pages(shards, moe, window)
         if self.prefill_tier is not None:
-            requests = [PrefillRequest(a.rid, contexts[a.rid], destinations[a.rid], a.recompute) for a in admitted]
+            requests = [PrefillRequest(a.rid, self._context(a), destinations[a.rid], a.recompute) for a in admitted]
             last_logits = self.prefill_tier.prefill(requests, self.cluster)  # the KV is in the pages on return
         else:
-            outs = prefill_packed(
-                self.prefill_weights, [torch.tensor(contexts[a.rid], dtype=torch.int64) for a in admitted]
-            )
+            outs = computed if computed is not None else self._prefill_packed(admitted)
             last_logits = {}
             for adm, out in zip(admitted, outs):
                 for w in destinations[adm.rid].writes(0, adm.context_len):

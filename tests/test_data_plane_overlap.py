@@ -334,6 +334,7 @@ def test_an_admission_into_pages_the_iteration_in_flight_reads_waits_for_it(monk
         expected = admit_into_the_pages_of_a_request_in_its_last_iteration(reference)
         assert admit_into_the_pages_of_a_request_in_its_last_iteration(deferred) == expected
         assert decisions == [False]  # B waits for A's last iteration (A was admitted with nothing in flight)
+        assert deferred.early_prefills == 1  # B's prefill was computed while A's last iteration was in flight
     finally:
         reference.close()
         deferred.close()
@@ -366,7 +367,7 @@ def test_overlap_admissions_switch_and_counters(overlap_admissions):
         if overlap_admissions:
             assert 0 < deferred.overlapped_admissions <= deferred.admissions_in_flight
         else:
-            assert deferred.overlapped_admissions == 0
+            assert deferred.overlapped_admissions == deferred.early_prefills == 0
     finally:
         reference.close()
         deferred.close()
