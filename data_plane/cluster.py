@@ -45,6 +45,7 @@ from .experts import owned_experts
 from .graph_runner import build_graph_engine
 from .instance import DecodeInstance, Handoff, InstanceLimits, RowInput, RowOutput, fabric_flags
 from .kv_pool import PagedKVPool
+from .row_messages import pack_outputs, pack_rows, unpack_outputs, unpack_rows
 from .timing import PhaseRecord, TimingLog
 
 BACKENDS = ("inline", "threads", "processes", "ray")
@@ -335,7 +336,7 @@ def _process_main(cfg: ClusterConfig, rank: int, fabric_info, pool_kv: torch.Ten
                 break
             if msg[0] == "stop":
                 break
-            _, seq, rows, return_logits, handoffs = msg
+            _, seq, packed_rows, return_logits, handoffs = msg
             try:
                 table = np.frombuffer(bytearray(tables.wait_table(seq, cfg.metadata_timeout_s)), dtype=np.int32)
                 if tables.last_seq != seq:
@@ -345,8 +346,9 @@ def _process_main(cfg: ClusterConfig, rank: int, fabric_info, pool_kv: torch.Ten
                 continue
             taken[rank] = seq  # the context buffer is free for the next table (the driver may queue one)
             try:
+                rows = unpack_rows(packed_rows)
                 out = instance.run_iteration(RoutingTables.parse(table), rows, return_logits, handoffs)
-                conn.send(("ok", seq, out, instance.timing.records))
+                conn.send(("ok", seq, pack_outputs(out), instance.timing.records))
                 instance.timing.records = []
             except StaleBlockTableError as e:  # refused before any exchange: the driver may send a full snapshot
                 conn.send(("stale", seq, f"{type(e).__name__}: {e}"))
@@ -513,7 +515,7 @@ class ProcessCluster(_LocalPools):
             self._senders[r].push(seq, launch.sent[r].tobytes())
         self._waiting[(r, seq)] = launch
         try:
-            self._conns[r].send(("run", seq, launch.rows[r], launch.return_logits, launch.handoffs[r]))
+            self._conns[r].send(("run", seq, pack_rows(launch.rows[r]), launch.return_logits, launch.handoffs[r]))
         except OSError:  # broken pipe: the process is gone
             self._lost_instance(r)
 
@@ -551,7 +553,7 @@ class ProcessCluster(_LocalPools):
             self.resyncs += 1
             self._resends[r].append(launch)
         elif kind == "ok":
-            launch.answers[r] = ("ok", msg[2], msg[3])
+            launch.answers[r] = ("ok", unpack_outputs(msg[2]), msg[3])
         elif kind == "resync":
             launch.answers[r] = ("error", f"instance {r}: routing table undeliverable ({msg[2]})", False)
         elif kind == "stale":

@@ -30,6 +30,7 @@ from nanocp.control_plane.lowering import RoutingTables
 from .block_store import StaleBlockTableError
 from .cluster import ClusterConfig, FullTables, InstanceFailure, TableFeed, allocate_pools, build_instance
 from .instance import RowInput, RowOutput, fabric_flags
+from .row_messages import PackedRows, pack_outputs, pack_rows, unpack_outputs, unpack_rows
 from .timing import PhaseRecord
 
 FABRICS = ("auto", "shm", "dist")
@@ -115,17 +116,18 @@ class InstanceActor:
         self.instance = build_instance(cfg, self.rank, self.fabric, pool)
         return "ok"
 
-    def run_iteration(self, table: np.ndarray, rows: dict[int, RowInput], return_logits: bool) -> tuple:
-        """("ok", outputs, timing records), ("stale", text) when the instance refused an incremental table its
-        block-table store cannot apply (before any exchange), or ("error", text, is_fabric_timeout)."""
+    def run_iteration(self, table: np.ndarray, rows: PackedRows, return_logits: bool) -> tuple:
+        """rows: `pack_rows` of the instance's RowInputs -> ("ok", pack_outputs(outputs), timing records),
+        ("stale", text) when the instance refused an incremental table its block-table store cannot apply (before
+        any exchange), or ("error", text, is_fabric_timeout)."""
         try:
-            out = self.instance.run_iteration(RoutingTables.parse(table), rows, return_logits)
+            out = self.instance.run_iteration(RoutingTables.parse(table), unpack_rows(rows), return_logits)
         except StaleBlockTableError as e:
             return ("stale", str(e))
         except Exception as e:  # noqa: BLE001 - reported to the driver
             return ("error", f"{type(e).__name__}: {e}", isinstance(e, FabricTimeout))
         records, self.instance.timing.records = self.instance.timing.records, []
-        return ("ok", out, records)
+        return ("ok", pack_outputs(out), records)
 
     def write_kv(self, frames: list[int], start_slot: int, kv: torch.Tensor) -> None:
         self.instance.pool.write_range(frames, start_slot, kv)
@@ -286,7 +288,8 @@ class RayCluster:
 
         actors = self._h.actors
         sent = [self.feed.pick(r, tables, full_tables) for r in range(len(actors))]
-        pending = {actors[r].run_iteration.remote(sent[r], rows[r], return_logits): r for r in range(len(actors))}
+        packed = [pack_rows(r) for r in rows]
+        pending = {actors[r].run_iteration.remote(sent[r], packed[r], return_logits): r for r in range(len(actors))}
         results: list[list[RowOutput]] = [[] for _ in actors]
         errors: list[tuple[bool, str]] = []  # (is a fabric timeout, message)
         deadline = time.monotonic() + self.cfg.timeout_s * 2 + 5
@@ -305,11 +308,11 @@ class RayCluster:
                 errors.append((False, f"instance {r}: {type(e).__name__}: {e}"))
                 continue
             if msg[0] == "ok":
-                results[r] = msg[1]
+                results[r] = unpack_outputs(msg[1])
                 self._records.extend(msg[2])
             elif msg[0] == "stale" and TableFeed.can_resend_full(sent[r], full_tables):
                 sent[r] = full_tables()[r]
-                pending[actors[r].run_iteration.remote(sent[r], rows[r], return_logits)] = r
+                pending[actors[r].run_iteration.remote(sent[r], packed[r], return_logits)] = r
             else:
                 errors.append((msg[0] == "error" and msg[2], f"instance {r}: {msg[1]}"))
         if errors:

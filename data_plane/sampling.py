@@ -6,6 +6,7 @@ instance samples it, on batch composition, or on preemption.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -39,6 +40,20 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    def __reduce__(self):
+        # pickled per request in every iteration's message to an instance process: rebuilt without re-validating
+        return _params_from_fields, tuple(getattr(self, name) for name in _FIELD_NAMES)
+
+
+_FIELD_NAMES = tuple(f.name for f in dataclasses.fields(SamplingParams))
+
+
+def _params_from_fields(*values) -> SamplingParams:
+    """SamplingParams from its field values (validated when first made; copied as they are)."""
+    params = object.__new__(SamplingParams)
+    params.__dict__.update(zip(_FIELD_NAMES, values))
+    return params
 
 
 def sample_token(logits: torch.Tensor, params: SamplingParams, output_index: int, fallback_seed: int) -> int:

@@ -104,7 +104,7 @@ def test_tier_rejects_bad_requests():
 def tier_prefill(engine, tier: CdspPrefillTier):
     """What the Engine's prefill becomes with the tier (the wiring the report documents)."""
 
-    def _prefill(admitted) -> None:
+    def _prefill(admitted, computed=None) -> None:  # the tier computes its own KV: an early packed one is unused
         requests = []
         for adm in admitted:
             req = engine.requests[adm.rid]

@@ -149,7 +149,7 @@ def test_engine_with_the_tier_survives_a_prefill_instance_death():
         config = TierConfig(instances_per_node=4, min_chunk_tokens=16, improvement_rate=0.05, max_request_tokens=256)
         with CdspPrefillTier(engine.prefill_model, config, sp_friendly_models()) as tier:
 
-            def prefill(admitted) -> None:
+            def prefill(admitted, computed=None) -> None:  # the tier computes its own KV
                 requests = []
                 for adm in admitted:
                     req = engine.requests[adm.rid]
