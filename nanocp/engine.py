@@ -27,6 +27,7 @@ from nanocp.data_plane.timing import PhaseRecord
 from nanocp.models import load_config, load_model, load_tokenizer
 from nanocp.prefill.handoff import KVDestination
 from nanocp.prefill.tier import CdspPrefillTier, PrefillRequest, TierConfig
+from nanocp.stop_strings import stop_string_end
 
 
 @dataclass
@@ -542,10 +543,9 @@ class Engine:
         if token in p.stop_token_ids or (not p.ignore_eos and token in self.tokenizer.eos_token_ids):
             return "stop"
         if p.stop:
-            text = self.tokenizer.decode(req.output)
-            hits = [text.find(s) for s in p.stop if s and s in text]
-            if hits:
-                req.stop_text_end = min(hits)
+            end = stop_string_end(self.tokenizer, req.output, p.stop)
+            if end is not None:
+                req.stop_text_end = end
                 return "stop"
         if len(req.output) >= p.max_tokens:
             return "length"
