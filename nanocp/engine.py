@@ -453,8 +453,8 @@ class Engine:
         for rid in batch:
             req = self.requests[rid]
             tokens_after = len(req.output) + pending.window.get(rid, 0) + moe_rows.window[rid]
-            if tokens_after + 1 >= req.params.max_tokens and rid not in self._released_pages and rid in self.scheduler:
-                self._released_pages[rid] = self._pages_of(rid)
+            if tokens_after + 1 >= req.params.max_tokens and rid in self.scheduler:
+                self._released_pages[rid] = self._pages_of(rid)  # anew each time: this plan may have grown it
 
     def _collect(self) -> bool:
         """Append the tokens of the iteration in flight. False when the cluster failed: it is rebuilt (anything

@@ -371,3 +371,22 @@ def test_overlap_admissions_switch_and_counters(overlap_admissions):
     finally:
         reference.close()
         deferred.close()
+
+
+def test_the_pages_recorded_for_a_length_end_are_those_of_its_last_iteration():
+    # A's record is taken at each of its last launches: the one the scheduler frees after includes the page its
+    # last iteration grew into (page_size 8: the last tokens cross a page boundary)
+    eng = deferred_engine()
+    try:
+        prompt = random_prompts(1, seed=31, low=22, high=22)[0]  # 22 + 4 tokens: the last one opens a fourth page
+        eng.add_request("a", prompt, SamplingParams(max_tokens=4, ignore_eos=True))
+        records = []
+        while eng.has_unfinished():
+            eng.step()
+            if "a" in eng._released_pages and "a" in eng.scheduler and eng.scheduler.request_state("a").running:
+                records.append((eng._released_pages["a"], eng._pages_of("a")))
+        assert len(records) >= 2  # recorded at more than one launch
+        assert all(recorded == current for recorded, current in records)
+        assert len(records[-1][1]) > len(records[0][1])  # it grew between them
+    finally:
+        eng.close()
