@@ -80,7 +80,11 @@ def run_and_kill(server: OpenAIServer, thread: ServerThread, model, rnd: random.
         assert plain[i].json()["choices"][0]["text"] == expected[i]
     assert detected_in < 4 * TIMEOUT_S + 10
     recovery = engine.recoveries[0]
-    assert recovery.dead_instances == (2,) and recovery.survivors == 3 and engine.spec.num_instances == 3
+    # the message lists every recovery with its error: once, with a benchmark running beside the suite, the first
+    # recovery named no dead instance
+    assert recovery.dead_instances == (2,) and recovery.survivors == 3 and engine.spec.num_instances == 3, (
+        engine.recoveries
+    )
     wait_until(lambda: not engine.requests, 30, "every request released")
     assert all(load.kv_tokens == 0 for load in engine.scheduler.loads())
     # a slot is freed when its request leaves the server (the cleanup after the response's last byte): soon after
