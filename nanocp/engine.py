@@ -367,9 +367,19 @@ class Engine:
         instance runs its iterations in order; an admission only when its prefill writes no page the iteration in
         flight may still touch (`_admission_is_safe`). A continuing request that moves to another MoE instance gets
         its kept token handed over (`_launch`)."""
-        if not plan.admitted:
-            return bool(plan.batch)
-        return bool(plan.batch) and self.config.overlap_admissions and self._admission_is_safe(plan)
+        if not plan.batch:
+            return False
+        return not plan.admitted or (self._guards_admissions and self._admission_is_safe(plan))
+
+    @property
+    def _guards_admissions(self) -> bool:
+        """Admitting plans may overlap the iteration in flight (then freed pages are recorded for the check)."""
+        return self.overlaps and self.config.overlap_admissions
+
+    def _admits_in_flight(self, plan: IterationPlan) -> bool:
+        """Whether the plan admits a request of the iteration in flight (a recompute whose context lacks that
+        iteration's tokens)."""
+        return not set(self._inflight.batch).isdisjoint(adm.rid for adm in plan.admitted)
 
     def _admission_is_safe(self, plan: IterationPlan) -> bool:
         """Whether the plan's prefills may write their KV while the iteration in flight runs. That iteration reads
@@ -377,12 +387,12 @@ class Engine:
         or preempted) may have passed them to an admitted request (frees are reused first). Safe when no admitted
         request is in flight itself and no page an admitted request got is one of those: each such request's pages
         were recorded when it freed them (`_finish_in_scheduler`) or, for a length end the scheduler applies at
-        this plan, when its last iteration was sent (`_launch`); a preemption's pages are not known, so it waits."""
-        in_flight = set(self._inflight.batch)
-        if any(adm.rid in in_flight for adm in plan.admitted):
+        this plan, when its last iteration was sent (`_record_last_pages`); a preemption's pages are not known, so
+        it waits."""
+        if self._admits_in_flight(plan):
             return False
         freed: set[tuple[int, int]] = set()
-        for rid in in_flight.difference(plan.batch):
+        for rid in set(self._inflight.batch).difference(plan.batch):
             if rid in self.scheduler and self.scheduler.request_state(rid).running:
                 continue  # not batched this time but still holds its pages
             pages = self._released_pages.get(rid)
@@ -395,9 +405,9 @@ class Engine:
         """Whether an admitting plan that waits for the iteration in flight may compute its prefill before that
         iteration returns (and write the KV after): the driver's packed prefill (the CDSP tier writes as it
         computes), and no admitted request in flight (its context would lack that iteration's tokens)."""
-        if not plan.admitted or not self.config.overlap_admissions or self.prefill_tier is not None:
+        if not plan.admitted or not self._guards_admissions or self.prefill_tier is not None:
             return False
-        return not set(self._inflight.batch).intersection(adm.rid for adm in plan.admitted)
+        return not self._admits_in_flight(plan)
 
     def _pages_of(self, rid: str) -> frozenset[tuple[int, int]]:
         """(instance, frame) of every page of a running request."""
@@ -406,7 +416,7 @@ class Engine:
     def _finish_in_scheduler(self, rid: str) -> None:
         """End a live request in the scheduler (its pages are freed now); with overlapped iterations, its pages are
         recorded first, for `_admission_is_safe`."""
-        if self.overlaps and self.scheduler.request_state(rid).running:
+        if self._guards_admissions and self.scheduler.request_state(rid).running:
             self._released_pages[rid] = self._pages_of(rid)
         self.scheduler.finish(rid)
 
@@ -433,7 +443,7 @@ class Engine:
             rows[instance][batch_index] = row
         keep = any(self.requests[rid].keep_logits for rid in batch)
         inflight = _InFlight(list(batch), moe_rows, None)
-        if self.overlaps:
+        if self._guards_admissions:
             self._record_last_pages(batch, moe_rows, pending)
         if not getattr(self.cluster, "incremental_tables", False):  # a cluster that tracks no store state
             inflight.outputs = self.cluster.run_iteration(plan.full_tables(), rows, keep)
