@@ -524,72 +524,104 @@ void grouped_expert_mlp(F32<2> source, I64<1> rows, I64<1> local, F32<3> gate_up
 
 // ---- shard attention -----------------------------------------------------------------------------------------
 
-// Scores of a tile of HB heads x TB rows: score[h * page + t] = scale * q_h . kv_t. Each dot is summed as `dot`
-// sums it (16-lane partial sums over the chunks, the lane sum, then the tail), so the result is the same; the tile
-// loads each q and kv chunk once for TB or HB products instead of once per product.
+// The lane sums of 16 vectors as one vector: out[i] = sum of the lanes of v[i]. A transpose-and-add tree (halves,
+// quarters, pairs, single lanes): 15 adds of two shuffles each, where 16 separate lane sums take 16 shuffle chains
+// and 16 scalar results.
+inline Lanes lane_sums16(const Lanes* v) {
+#if defined(__clang__) || __GNUC__ >= 12
+  Lanes w[8], x[4], y[2];
+  for (int j = 0; j < 8; ++j)  // w[j]: 8 partial sums of v[2j], then 8 of v[2j + 1]
+    w[j] = __builtin_shufflevector(v[2 * j], v[2 * j + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+           __builtin_shufflevector(v[2 * j], v[2 * j + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30,
+                                   31);
+  for (int k = 0; k < 4; ++k)  // x[k]: 4 partial sums of each of v[4k .. 4k + 3]
+    x[k] = __builtin_shufflevector(w[2 * k], w[2 * k + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+           __builtin_shufflevector(w[2 * k], w[2 * k + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+  for (int l = 0; l < 2; ++l)  // y[l]: 2 partial sums of each of v[8l .. 8l + 7]
+    y[l] = __builtin_shufflevector(x[2 * l], x[2 * l + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
+           __builtin_shufflevector(x[2 * l], x[2 * l + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
+  return __builtin_shufflevector(y[0], y[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
+         __builtin_shufflevector(y[0], y[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+#else
+  Lanes out;
+  for (int i = 0; i < 16; ++i) out[i] = lane_sum(v[i]);
+  return out;
+#endif
+}
+
+// Scores of a tile of HB heads x TB kv rows: score[h * stride + t] = scale * q_h . kv_t (q rows q_stride apart).
+// The tile loads each q and kv chunk once for TB or HB products; a 4 x 4 tile reduces its 16 sums together.
 template <int HB, int TB>
 inline void score_tile(const float* q, int64_t q_stride, const float* kv, int64_t dqk, float scale, float* score,
-                       int64_t page) {
-  Lanes acc[HB][TB];
-  for (int h = 0; h < HB; ++h)
-    for (int t = 0; t < TB; ++t) acc[h][t] = Lanes{};
+                       int64_t stride) {
+  Lanes acc[HB * TB];
+  for (int i = 0; i < HB * TB; ++i) acc[i] = Lanes{};
   int64_t c = 0;
   for (; c + kLanes <= dqk; c += kLanes) {
     Lanes k[TB];
     for (int t = 0; t < TB; ++t) k[t] = load_lanes(kv + t * dqk + c);
     for (int h = 0; h < HB; ++h) {
       const Lanes qv = load_lanes(q + h * q_stride + c);
-      for (int t = 0; t < TB; ++t) acc[h][t] += qv * k[t];
+      for (int t = 0; t < TB; ++t) acc[h * TB + t] += qv * k[t];
     }
+  }
+  float sums[HB * TB];
+  if constexpr (HB * TB == 16) {
+    const Lanes all = lane_sums16(acc);
+    std::memcpy(sums, &all, sizeof all);
+  } else {
+    for (int i = 0; i < HB * TB; ++i) sums[i] = lane_sum(acc[i]);
   }
   for (int h = 0; h < HB; ++h)
     for (int t = 0; t < TB; ++t) {
-      float sum = lane_sum(acc[h][t]);
+      float sum = sums[h * TB + t];
       for (int64_t i = c; i < dqk; ++i) sum += q[h * q_stride + i] * kv[t * dqk + i];
-      score[h * page + t] = scale * sum;
+      score[h * stride + t] = scale * sum;
     }
 }
 
-// score [H, page] <- the scaled scores of a page's first `rows` kv rows for every head (q rows q_stride apart).
-void page_scores(const float* q, int64_t q_stride, int64_t heads, const float* kv, int64_t rows, int64_t dqk,
-                 float scale, float* score, int64_t page) {
+// score [H, stride] <- the scaled scores of `rows` consecutive kv rows for every head (q rows q_stride apart).
+void rows_scores(const float* q, int64_t q_stride, int64_t heads, const float* kv, int64_t rows, int64_t dqk,
+                 float scale, float* score, int64_t stride) {
   in_blocks<4>(heads, [&](auto hb, int64_t h) {
     constexpr int HB = decltype(hb)::value;
     const float* qh = q + h * q_stride;
-    float* sh = score + h * page;
+    float* sh = score + h * stride;
     int64_t t = 0;  // rows in tiles of 4, the rest one by one (a tile per tail size made the loop slower)
-    for (; t + 4 <= rows; t += 4) score_tile<HB, 4>(qh, q_stride, kv + t * dqk, dqk, scale, sh + t, page);
-    for (; t < rows; ++t) score_tile<HB, 1>(qh, q_stride, kv + t * dqk, dqk, scale, sh + t, page);
+    for (; t + 4 <= rows; t += 4) score_tile<HB, 4>(qh, q_stride, kv + t * dqk, dqk, scale, sh + t, stride);
+    for (; t < rows; ++t) score_tile<HB, 1>(qh, q_stride, kv + t * dqk, dqk, scale, sh + t, stride);
   });
 }
 
-// acc[h, :v_dim] += sum over the page's rows t of weight[h * page + t] * v_t, for HB heads from h: each element
-// summed over t in order (as a row-by-row loop would), each v chunk loaded once for the HB heads.
+// acc[h, :v_dim] += sum over `rows` kv rows t of weight[h * stride + t] * v_t, for HB heads from h: each element
+// summed over t in order, each v chunk loaded once for the HB heads.
 template <int HB>
-inline void value_heads(const float* weight, int64_t page, const float* kv, int64_t rows, int64_t dqk, int64_t v_dim,
-                        float* acc) {
+inline void value_heads(const float* weight, int64_t stride, const float* kv, int64_t rows, int64_t dqk,
+                        int64_t v_dim, float* acc) {
   int64_t i = 0;
   for (; i + kLanes <= v_dim; i += kLanes) {
     Lanes a[HB];
     for (int h = 0; h < HB; ++h) a[h] = load_lanes(acc + h * v_dim + i);
     for (int64_t t = 0; t < rows; ++t) {
       const Lanes v = load_lanes(kv + t * dqk + i);
-      for (int h = 0; h < HB; ++h) a[h] += weight[h * page + t] * v;
+      for (int h = 0; h < HB; ++h) a[h] += weight[h * stride + t] * v;
     }
     for (int h = 0; h < HB; ++h) std::memcpy(acc + h * v_dim + i, &a[h], sizeof(Lanes));
   }
   for (; i < v_dim; ++i)
     for (int h = 0; h < HB; ++h)
-      for (int64_t t = 0; t < rows; ++t) acc[h * v_dim + i] += weight[h * page + t] * kv[t * dqk + i];
+      for (int64_t t = 0; t < rows; ++t) acc[h * v_dim + i] += weight[h * stride + t] * kv[t * dqk + i];
 }
 
-// acc [H, v_dim] += weight [H, page] (a page's softmax numerators) x its rows' first v_dim values.
-void page_values(const float* weight, int64_t page, int64_t heads, const float* kv, int64_t rows, int64_t dqk,
+// acc [H, v_dim] += weight [H, stride] (softmax numerators) x the first v_dim values of `rows` consecutive kv rows.
+void rows_values(const float* weight, int64_t stride, int64_t heads, const float* kv, int64_t rows, int64_t dqk,
                  int64_t v_dim, float* acc) {
   in_blocks<4>(heads, [&](auto hb, int64_t h) {
-    value_heads<decltype(hb)::value>(weight + h * page, page, kv, rows, dqk, v_dim, acc + h * v_dim);
+    value_heads<decltype(hb)::value>(weight + h * stride, stride, kv, rows, dqk, v_dim, acc + h * v_dim);
   });
 }
+
+constexpr int64_t kAttentionChunk = 64;  // kv rows whose scores are computed before their softmax and values
 
 // MLA decode attention of each shard over its pages, straight from the paged pool (no gather): the H query heads
 // of shard s attend over its lens[s] latent rows, one KV head shared by all (k = the whole row, v = its first
@@ -625,11 +657,15 @@ void mla_paged_attention(F32<3> q, F32<3> kv_pages, I32<2> block_table, I64<1> l
       REQUIRE(table[b] >= 0 && table[b] < pages, "mla_paged_attention: page " + std::to_string(table[b]) +
                                                      " outside the pool's " + std::to_string(pages));
   }
-  // One pass over each shard's pages (online softmax, page by page): a page's rows are read from memory once, for
-  // the scores of every head and then, while in L1, for the weighted sum.
-  std::vector<float> score(heads * page);  // [H, page]: the page's scaled scores, then weights
-  std::vector<float> acc(heads * v_dim);   // [H, v_dim]: weighted sum of v under the running max
+  // Each shard in chunks of whole pages (at least one): the chunk's scores for every head, then one softmax step
+  // per head (the running max and sum of an online softmax across chunks), then its weighted values, while the
+  // chunk's rows are still in cache. Short shards are one chunk: no rescaling at all.
+  const int64_t chunk = std::max<int64_t>(page, kAttentionChunk / std::max<int64_t>(page, 1) * page);
+  std::vector<float> score(heads * chunk);  // [H, chunk]: the chunk's scaled scores, then softmax numerators
+  std::vector<float> acc(heads * v_dim);    // [H, v_dim]: weighted sum of v under the running max
   std::vector<float> top(heads), sum(heads);
+  const float* pool = kv_pages.data();
+  auto page_rows = [&](const int32_t* table, int64_t b) { return pool + static_cast<int64_t>(table[b]) * page * dqk; };
   for (int64_t s = 0; s < shards; ++s) {
     const int64_t len = lens.data()[s * lens.stride(0)];
     const int32_t* table = block_table.data() + s * block_table.stride(0);
@@ -637,23 +673,27 @@ void mla_paged_attention(F32<3> q, F32<3> kv_pages, I32<2> block_table, I64<1> l
     std::fill(acc.begin(), acc.end(), 0.0f);
     std::fill(top.begin(), top.end(), -INFINITY);
     std::fill(sum.begin(), sum.end(), 0.0f);
-    for (int64_t first = 0; first < len; first += page) {
-      const int64_t rows = std::min(page, len - first);
-      const float* kv = kv_pages.data() + static_cast<int64_t>(table[first / page]) * page * dqk;
-      page_scores(qs, q.stride(1), heads, kv, rows, dqk, scale, score.data(), page);
+    for (int64_t start = 0; start < len; start += chunk) {
+      const int64_t n = std::min(chunk, len - start);
+      for (int64_t first = 0; first < n; first += page) {
+        rows_scores(qs, q.stride(1), heads, page_rows(table, (start + first) / page), std::min(page, n - first), dqk,
+                    scale, score.data() + first, chunk);
+      }
       for (int64_t h = 0; h < heads; ++h) {
-        float* w = score.data() + h * page;
-        const float page_top = largest(w, rows);
-        if (page_top > top[h]) {  // a new running max: rescale what was summed under the old one
-          const float shrink = fast_exp(top[h] - page_top);
+        float* w = score.data() + h * chunk;
+        const float chunk_top = largest(w, n);
+        if (chunk_top > top[h]) {  // a new running max: rescale what was summed under the old one
+          const float shrink = fast_exp(top[h] - chunk_top);
           sum[h] *= shrink;
           for (int64_t i = 0; i < v_dim; ++i) acc[h * v_dim + i] *= shrink;
-          top[h] = page_top;
+          top[h] = chunk_top;
         }
-        for (int64_t t = 0; t < rows; ++t) w[t] = fast_exp(w[t] - top[h]);  // vectorizes: no reduction
-        sum[h] += total(w, rows);
+        for (int64_t t = 0; t < n; ++t) w[t] = fast_exp(w[t] - top[h]);  // vectorizes: no reduction
+        sum[h] += total(w, n);
       }
-      page_values(score.data(), page, heads, kv, rows, dqk, v_dim, acc.data());
+      for (int64_t first = 0; first < n; first += page)
+        rows_values(score.data() + first, chunk, heads, page_rows(table, (start + first) / page),
+                    std::min(page, n - first), dqk, v_dim, acc.data());
     }
     for (int64_t h = 0; h < heads; ++h) {
       float* out = o.data() + s * o.stride(0) + h * o.stride(1);
