@@ -402,6 +402,7 @@ class ProcessCluster(_LocalPools):
             args = (cfg, r, self._info, self.pools[r].kv, self._taken, child)
             proc = ctx.Process(target=_process_main, args=args, daemon=True)
             proc.start()
+            child.close()  # the process has its own copy: ours would keep the pipe open after it dies (no EOF)
             self._conns.append(parent)
             self._procs.append(proc)
         self._records: list[PhaseRecord] = []
@@ -416,7 +417,15 @@ class ProcessCluster(_LocalPools):
         # close() runs it; so does interpreter exit for a cluster never closed (no orphans, no shm left behind)
         self._shutdown = weakref.finalize(self, _stop_processes, self._conns, self._procs, self._senders, self._info)
         for r in range(cfg.num_instances):
-            msg = self._recv(r, start_timeout_s)
+            try:
+                msg = self._recv(r, start_timeout_s)
+            except InstanceFailure as e:
+                self.close()
+                raise InstanceFailure(
+                    f"{e} while starting; its own error is printed above. A script that builds a cluster of "
+                    "processes must do so under `if __name__ == '__main__':` (each instance process starts by "
+                    "importing the main module)"
+                ) from e
             if msg[0] != "ready":
                 self.close()
                 raise InstanceFailure(f"instance {r} failed to start:\n{msg[1]}")

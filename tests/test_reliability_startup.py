@@ -57,3 +57,15 @@ def test_truncated_weights_stop_the_server_naming_the_shard(checkpoint):
     assert run.returncode == 2, run.stdout + run.stderr
     assert f"{shard.name}: corrupt or truncated" in run.stderr
     assert "cluster ready" not in run.stdout
+
+
+def test_an_instance_process_that_dies_while_starting_fails_fast_with_the_reason(tmp_path: Path):
+    """A script that builds a processes-backend LLM without a `__main__` guard: each spawned instance re-imports
+    it and dies while bootstrapping. The driver reports the death in seconds (not after its 120 s start timeout),
+    names the exit code and says what to fix."""
+    script = tmp_path / "no_main_guard.py"
+    script.write_text("from nanocp import LLM\nLLM(model='tiny', decode_instances=1, backend='processes')\n")
+    run = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=100)
+    assert run.returncode != 0
+    assert "instance 0 died (exit code 1) while starting" in run.stderr, run.stderr[-2000:]
+    assert "if __name__ == '__main__':" in run.stderr
