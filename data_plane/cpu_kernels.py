@@ -139,6 +139,12 @@ def moe_dispatch_layout(
     return n, source[: n + ranks], tags[: n + ranks], per_dst, result_rows
 
 
+def pack_dispatch_rows(x: torch.Tensor, source: np.ndarray, tags: np.ndarray, out: torch.Tensor) -> None:
+    """x [T, hidden], source / tags int64 [n] -> out [n, hidden + 1] rows: x[source[i]] then tags[i] as an int32
+    in the last slot (the packed dispatch payload of data_plane/moe_exchange.py, fp32)."""
+    _k.pack_dispatch_rows(_np(x), source, tags, _np(out))
+
+
 def grouped_expert_mlp_usable(source: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> bool:
     """Whether grouped_expert_mlp takes these: fp32 CPU tensors, hidden and intermediate sizes multiples of 16."""
     return (

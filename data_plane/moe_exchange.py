@@ -151,22 +151,36 @@ class PackedDispatcher:
                 self._put(d, "x", rank * (self.cap + 1), self._empty_header)
             self._signal_peers(self.dispatch_flag, self._seq)
             return PackedPending(self._seq, 0, k, torch.zeros(0, k, dtype=torch.int64))
-        if cpu_kernels.usable(x):
+        fused = cpu_kernels.usable(x) and self.row == self.hidden + 1
+        if fused:
             layout = cpu_kernels.moe_dispatch_layout(idx, self.num_experts, ranks, self.cap)
         else:
             layout = packed_layout(idx, self.num_experts, ranks, self.cap)
         n, source, tags, per_dst, result_rows = layout
-        payload = torch.empty(n + ranks, self.row, dtype=self.dtype, device=x.device)
-        if n:
-            payload[:, : self.hidden] = x.index_select(0, torch.from_numpy(source).to(x.device))
-        self._tags(payload).copy_(torch.from_numpy(tags))
         row = rank * (self.cap + 1)
-        first = 0
+        payload, first = None, 0
         for d, count in enumerate(per_dst.tolist()):
-            self._put(d, "x", row, payload[first : first + 1 + count])
+            block = slice(first, first + 1 + count)
             first += 1 + count
+            if fused and d == rank:  # this rank's own block is packed straight into its receive buffer
+                own = self.fabric.buffer(self._names["x"])[row : row + 1 + count]
+                cpu_kernels.pack_dispatch_rows(x, source[block], tags[block], own)
+                continue
+            if payload is None:
+                payload = self._payload(x, source, tags, fused)
+            self._put(d, "x", row, payload[block])
         self._signal_peers(self.dispatch_flag, self._seq)
         return PackedPending(self._seq, t, k, torch.from_numpy(result_rows))
+
+    def _payload(self, x: torch.Tensor, source: np.ndarray, tags: np.ndarray, fused: bool) -> torch.Tensor:
+        """The payload rows [len(source), row]: each token's values, then its tag."""
+        payload = torch.empty(len(source), self.row, dtype=self.dtype, device=x.device)
+        if fused:
+            cpu_kernels.pack_dispatch_rows(x, source, tags, payload)
+            return payload
+        payload[:, : self.hidden] = x.index_select(0, torch.from_numpy(source).to(x.device))
+        self._tags(payload).copy_(torch.from_numpy(tags))
+        return payload
 
     def wait_flags(self, pending: PackedPending) -> list[tuple[int, int]]:
         """(flag, value) pairs that must hold before dispatch_finish: every rank has sent its tokens."""

@@ -265,6 +265,30 @@ def test_mla_paged_attention_equals_the_reference(shards, heads, dqk, page, bloc
     assert bool((lse[~finite] == float("-inf")).all()) and bool((o[~finite] == 0).all())
 
 
+@settings(max_examples=25, deadline=None)
+@given(
+    tokens=st.integers(1, 9), n=st.integers(0, 20), hidden=st.sampled_from([1, 16, 33]), seed=st.integers(0, 2**31 - 1)
+)
+def test_pack_dispatch_rows_equals_the_torch_packing(tokens, n, hidden, seed):
+    """Each payload row: the values of its source token, then its tag's int32 bits in the last slot."""
+    gen = torch.Generator().manual_seed(seed)
+    x = wide_slice(gen, tokens, hidden, 3)
+    source = torch.randint(0, tokens, (n,), generator=gen).numpy()
+    tags = torch.randint(-5, 2**31 - 1, (n,), generator=gen).numpy()
+    out = randn(gen, n, hidden + 1)
+    cpu_kernels.pack_dispatch_rows(x, source, tags, out)
+    assert torch.equal(out[:, :hidden], x[torch.from_numpy(source)])
+    assert torch.equal(out[:, hidden:].view(torch.int32)[:, 0], torch.from_numpy(tags).to(torch.int32))
+
+
+def test_pack_dispatch_rows_rejects_bad_rows_and_shapes():
+    x, out = torch.randn(3, 4), torch.empty(2, 5)
+    with pytest.raises(ValueError, match="source row 3 outside x's 3 rows"):
+        cpu_kernels.pack_dispatch_rows(x, np.array([0, 3]), np.array([1, 2]), out)
+    with pytest.raises(ValueError, match="disagree"):
+        cpu_kernels.pack_dispatch_rows(x, np.array([0, 1]), np.array([1, 2]), torch.empty(2, 4))
+
+
 # ---- bad input ---------------------------------------------------------------------------------------------------
 
 

@@ -421,6 +421,27 @@ int64_t moe_dispatch_layout(I64<2> topk_idx, int64_t num_experts, int64_t ranks,
   return n;
 }
 
+// The rows of a dispatch payload (data_plane/moe_exchange.py): out[i] = [x[source[i]] | tags[i]], the hidden values
+// of the row's token, then its tag as an int32 in the float slot after them. x [T, hidden], source / tags [n],
+// out [n, hidden + 1] (fp32 rows: a 4-byte tag).
+void pack_dispatch_rows(F32<2> x, I64<1> source, I64<1> tags, F32<2> out) {
+  require_rows(x, "x");
+  require_rows(out, "out");
+  const int64_t n = source.shape(0), hidden = x.shape(1), t = x.shape(0);
+  REQUIRE(static_cast<int64_t>(tags.shape(0)) == n && static_cast<int64_t>(out.shape(0)) == n &&
+              static_cast<int64_t>(out.shape(1)) == hidden + 1,
+          "pack_dispatch_rows: source [n], tags [n] and out [n, hidden + 1] disagree");
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t src = source.data()[i * source.stride(0)];
+    REQUIRE(src >= 0 && src < t, "pack_dispatch_rows: source row " + std::to_string(src) + " outside x's " +
+                                     std::to_string(t) + " rows");
+    float* row = out.data() + i * out.stride(0);
+    std::memcpy(row, x.data() + src * x.stride(0), hidden * sizeof(float));
+    const int32_t tag = static_cast<int32_t>(tags.data()[i * tags.stride(0)]);
+    std::memcpy(row + hidden, &tag, sizeof tag);
+  }
+}
+
 // ---- grouped expert MLP ---------------------------------------------------------------------------------------
 
 // C rows [MR, 16 * NV] = A rows [MR, k] @ B[k, 16 * NV] (B rows ldb apart). Rows are given by pointer, so a
@@ -724,6 +745,7 @@ NB_MODULE(_cpu_kernels, m) {
         array("down"), array("y"));
   m.def("mla_paged_attention", &mla_paged_attention, array("q"), array("kv_pages"), array("block_table"),
         array("lens"), nb::arg("scale"), array("o"), array("lse"));
+  m.def("pack_dispatch_rows", &pack_dispatch_rows, array("x"), array("source"), array("tags"), array("out"));
   m.def("weighted_combine", &weighted_combine, array("y"), array("rows"), array("weights"), array("base"),
         array("out"));
 }
