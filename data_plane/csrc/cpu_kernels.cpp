@@ -459,7 +459,9 @@ inline void gemm_tile(int64_t k, const float* const* a, const float* b, int64_t 
     for (int j = 0; j < NV; ++j) __builtin_prefetch(b + (p + 16) * ldb + kLanes * j);
     for (int j = 0; j < NV; ++j) bv[j] = load_lanes(b + p * ldb + kLanes * j);
     for (int i = 0; i < MR; ++i) {
-      const Lanes av = Lanes{} + a[i][p];
+      // scalar x vector: an FMA with the A value broadcast from memory (`Lanes{} + x` would add 0.0f first, which
+      // the compiler must keep for -0.0, and broadcast from a register on the port the FMAs need)
+      const float av = a[i][p];
       for (int j = 0; j < NV; ++j) acc[i][j] += av * bv[j];
     }
   }
