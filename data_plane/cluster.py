@@ -13,6 +13,7 @@ instance refuses a table as stale, it sends the full snapshot. Without `full_tab
 
 from __future__ import annotations
 
+import gc
 import multiprocessing as mp
 import time
 import traceback
@@ -324,6 +325,10 @@ def _process_main(cfg: ClusterConfig, rank: int, fabric_info, pool_kv: torch.Ten
         # The routing table arrives over the metadata channel: the driver pushes it into this context buffer
         # and rings the doorbell; the frame header (sequence, length, checksum) is validated before use.
         tables = ShmMetadataReceiver(rank, cfg.table_capacity_bytes)
+        # this process only serves iterations: its startup heap (torch, the weights) leaves the cyclic GC, whose
+        # full collections would walk it and stall the instance, and with it its EP group, at the next exchange
+        gc.collect()
+        gc.freeze()
         conn.send(("ready", rank, tables.info))
     except Exception:  # noqa: BLE001 - reported to the driver
         conn.send(("error", traceback.format_exc()))
