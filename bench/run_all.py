@@ -22,6 +22,7 @@ BENCHMARKS: dict[str, list[list[str]]] = {  # name -> commands, run in order
     "decode": [PY + ["nanocp.bench.bench_decode"]],
     "arrivals": [PY + ["nanocp.bench.bench_arrivals"]],
     "driver": [PY + ["nanocp.bench.bench_driver"]],
+    "driver_policy": [PY + ["nanocp.bench.bench_driver_policy"]],
     "cpu_kernels": [PY + ["nanocp.bench.bench_cpu_kernels"]],
     "metadata_channel": [PY + ["nanocp.bench.bench_metadata_channel"]],
     "cdsp_planner": [PY + ["nanocp.bench.bench_cdsp_planner"]],

@@ -38,6 +38,7 @@ from nanocp.comm.metadata_channel import (
 from nanocp.comm.shm_fabric import ShmFabric
 from nanocp.control_plane.lowering import BASE_SEQ_SLOT, FULL_SLOT, RoutingTables
 from nanocp.control_plane.scheduler import StalePlanError
+from nanocp.driver_policy import own_policy
 from nanocp.models import load_config, load_model
 
 from .block_store import StaleBlockTableError
@@ -390,6 +391,7 @@ class ProcessCluster(_LocalPools):
 
     incremental_tables = True  # run_iteration takes full_tables (see the module docstring)
     overlaps = True  # launch / collect: an iteration can be queued behind the running one
+    instances_in_other_processes = True  # the engine's driver thread may run as SCHED_BATCH (nanocp/driver_policy.py)
     max_outstanding = 2
 
     def __init__(self, cfg: ClusterConfig, start_timeout_s: float = 120.0) -> None:
@@ -402,14 +404,15 @@ class ProcessCluster(_LocalPools):
         ctx = mp.get_context("spawn")
         self._conns, self._procs = [], []
         self._lost: set[int] = set()  # instances whose pipe closed: their process is exiting
-        for r in range(cfg.num_instances):
-            parent, child = ctx.Pipe()
-            args = (cfg, r, self._info, self.pools[r].kv, self._taken, child)
-            proc = ctx.Process(target=_process_main, args=args, daemon=True)
-            proc.start()
-            child.close()  # the process has its own copy: ours would keep the pipe open after it dies (no EOF)
-            self._conns.append(parent)
-            self._procs.append(proc)
+        with own_policy():  # instances run under the policy of the thread as it was, not the driver's (batch)
+            for r in range(cfg.num_instances):
+                parent, child = ctx.Pipe()
+                args = (cfg, r, self._info, self.pools[r].kv, self._taken, child)
+                proc = ctx.Process(target=_process_main, args=args, daemon=True)
+                proc.start()
+                child.close()  # the process has its own copy: ours would keep the pipe open after it dies (no EOF)
+                self._conns.append(parent)
+                self._procs.append(proc)
         self._records: list[PhaseRecord] = []
         self.resyncs = 0  # routing tables pushed again after an instance reported a bad or missing one
         self._senders: list[ShmMetadataSender] = []

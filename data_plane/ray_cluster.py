@@ -157,6 +157,7 @@ class RayCluster:
 
     START_ATTEMPTS = 3  # only the shared-memory attach race (see InstanceActor.start) is retried
     incremental_tables = True  # run_iteration takes full_tables (data_plane/cluster.py, TableFeed)
+    instances_in_other_processes = True  # actors: the driver thread may run as SCHED_BATCH (nanocp/driver_policy.py)
 
     def __init__(
         self, cfg: ClusterConfig, placement: RayPlacement | None = None, allow_one_group: bool = False

@@ -24,6 +24,7 @@ from nanocp.data_plane.instance import KEPT_TOKEN, Handoff, InstanceLimits, RowI
 from nanocp.data_plane.packed_prefill import PrefillOutput, prefill_packed
 from nanocp.data_plane.sampling import SamplingParams, sample_tokens
 from nanocp.data_plane.timing import PhaseRecord
+from nanocp.driver_policy import batch_policy
 from nanocp.models import load_config, load_model, load_tokenizer
 from nanocp.prefill.handoff import KVDestination
 from nanocp.prefill.tier import CdspPrefillTier, PrefillRequest, TierConfig
@@ -64,6 +65,10 @@ class EngineConfig:
     # Intra-op threads for torch in this process (None: leave torch's setting). Decode work here is many small
     # ops; OpenMP fan-out on them costs more than it gives, badly so when other processes share the cores.
     torch_threads: int | None = 1
+    # While it drives instances in other processes (processes / Ray backends), the driver thread runs as
+    # SCHED_BATCH (Linux): an instance's answer then does not make it preempt another instance mid-iteration
+    # (nanocp/driver_policy.py). LLM.generate switches it for the call only; `nanocp serve` for its engine thread.
+    driver_sched_batch: bool = True
 
     def cluster_spec(self) -> ClusterSpec:
         if not isinstance(self.num_steps, int) or isinstance(self.num_steps, bool) or self.num_steps < 1:
@@ -296,6 +301,12 @@ class Engine:
 
     def has_unfinished(self) -> bool:
         return any(r.finish_reason is None for r in self.requests.values())
+
+    def driving(self):
+        """Context for the thread that calls `step`: SCHED_BATCH inside it when the instances run in other
+        processes and `driver_sched_batch` is on (nanocp/driver_policy.py); yields whether it switched."""
+        elsewhere = getattr(self.cluster, "instances_in_other_processes", False)
+        return batch_policy(self.config.driver_sched_batch and elsewhere)
 
     # ------------------------------------------------------------------ one iteration
 

@@ -44,7 +44,7 @@ class LLM:
             self.engine.add_request(rid, ids, p, keep_logits=return_logits)
             rids.append(rid)
         finished: dict[str, RequestOutput] = {}
-        with tqdm(total=len(rids), disable=not use_tqdm, desc="generate") as bar:
+        with tqdm(total=len(rids), disable=not use_tqdm, desc="generate") as bar, self.engine.driving():
             while len(finished) < len(rids):
                 for out in self.engine.step():
                     finished[out.request_id] = out

@@ -16,6 +16,7 @@ engine's per-token times) and the load gauges. An engine failure (an instance di
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import enum
 import logging
 import threading
@@ -199,8 +200,10 @@ class EngineLoop:
         self._settled.set()
         if self._on_ready is not None:
             self._on_ready()
+        driving = getattr(self.engine, "driving", contextlib.nullcontext)  # (test doubles have none)
         try:
-            self._serve()
+            with driving():
+                self._serve()
         except Exception as e:  # noqa: BLE001 - an instance died: every request ends with an error
             log.exception("engine loop failed")
             self._fail(f"engine failed: {e!r}")
