@@ -361,6 +361,7 @@ def _process_main(cfg: ClusterConfig, rank: int, fabric_info, pool_kv: torch.Ten
             except Exception as e:  # noqa: BLE001 - reported to the driver, the instance keeps serving
                 conn.send(("error", seq, f"{type(e).__name__}: {e}", isinstance(e, FabricTimeout)))
     finally:
+        gc.unfreeze()  # the startup heap back to the collector: interpreter exit then frees it
         tables.close()
         fabric.close()
 

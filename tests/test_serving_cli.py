@@ -1,9 +1,11 @@
 """`nanocp serve` as users run it: the default processes backend, the printed URL and curl example (which must
-work), a clean exit on SIGTERM with no instance process left behind, and the documented --prefill-instances."""
+work), the engine thread driving as SCHED_BATCH and the server thread not, a clean exit on SIGTERM with no instance
+process left behind and no leak report at exit, and the documented --prefill-instances."""
 
 from __future__ import annotations
 
 import json
+import os
 import re
 import signal
 import subprocess
@@ -39,6 +41,9 @@ def test_serve_prints_a_working_curl_example_and_stops_cleanly_on_sigterm():
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= body["max_tokens"]
         instances = {p.pid for p in psutil.Process(proc.pid).children(recursive=True)}
         assert len(instances) >= 2  # one process per decode instance
+        if hasattr(os, "SCHED_BATCH"):  # the engine thread drives the instance processes as SCHED_BATCH
+            policies = [os.sched_getscheduler(t.id) for t in psutil.Process(proc.pid).threads()]
+            assert os.SCHED_BATCH in policies and os.SCHED_OTHER in policies
         proc.send_signal(signal.SIGTERM)
         rest, _ = proc.communicate(timeout=60)
     finally:
@@ -46,6 +51,7 @@ def test_serve_prints_a_working_curl_example_and_stops_cleanly_on_sigterm():
             proc.kill()
             proc.communicate()
     assert proc.returncode == 0, "".join(lines) + rest
+    assert "leaked" not in rest, rest  # the frozen startup heap is given back before exit (nanobind's leak check)
     deadline = time.monotonic() + 20
     while any(psutil.pid_exists(p) for p in instances) and time.monotonic() < deadline:
         time.sleep(0.1)

@@ -36,7 +36,8 @@ def freeze_startup_heap() -> None:
     """Take everything alive once the cluster is up (modules, the model, the engine) out of Python's cyclic GC:
     a full collection walks every tracked object, which in a serving process (about 200,000) took 100 ms on this
     project's VM, holding the GIL, so the engine loop stalled and every running request's next token came late.
-    Only for a process that exists to serve: startup objects that later end up in garbage cycles stay."""
+    Only for a process that exists to serve (startup objects that end up in garbage cycles stay until `gc.unfreeze`,
+    which `serve` calls on its way out)."""
     gc.collect()
     gc.freeze()
 
@@ -98,7 +99,10 @@ def serve(
     )
     announce("  try: " + curl_example(url, name, server_config.api_key is not None))
     with _clean_exit_on_sigterm():
-        server.run()
+        try:
+            server.run()
+        finally:
+            gc.unfreeze()  # the startup heap back to the collector: interpreter exit then frees it
     if failure:
         raise failure[0]
 
