@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 
 import torch
@@ -302,7 +303,7 @@ class Engine:
     def has_unfinished(self) -> bool:
         return any(r.finish_reason is None for r in self.requests.values())
 
-    def driving(self):
+    def driving(self) -> AbstractContextManager[bool]:
         """Context for the thread that calls `step`: SCHED_BATCH inside it when the instances run in other
         processes and `driver_sched_batch` is on (nanocp/driver_policy.py); yields whether it switched."""
         elsewhere = getattr(self.cluster, "instances_in_other_processes", False)
