@@ -40,6 +40,7 @@ from nanocp.control_plane.lowering import BASE_SEQ_SLOT, FULL_SLOT, RoutingTable
 from nanocp.control_plane.scheduler import StalePlanError
 from nanocp.driver_policy import own_policy
 from nanocp.models import load_config, load_model
+from nanocp.startup_heap import freeze_startup_heap
 
 from .block_store import StaleBlockTableError
 from .decode_layers import DecodeWeights
@@ -326,10 +327,7 @@ def _process_main(cfg: ClusterConfig, rank: int, fabric_info, pool_kv: torch.Ten
         # The routing table arrives over the metadata channel: the driver pushes it into this context buffer
         # and rings the doorbell; the frame header (sequence, length, checksum) is validated before use.
         tables = ShmMetadataReceiver(rank, cfg.table_capacity_bytes)
-        # this process only serves iterations: its startup heap (torch, the weights) leaves the cyclic GC, whose
-        # full collections would walk it and stall the instance, and with it its EP group, at the next exchange
-        gc.collect()
-        gc.freeze()
+        freeze_startup_heap()  # this process only serves iterations (nanocp/startup_heap.py)
         conn.send(("ready", rank, tables.info))
     except Exception:  # noqa: BLE001 - reported to the driver
         conn.send(("error", traceback.format_exc()))

@@ -6,7 +6,7 @@ from __future__ import annotations
 import gc
 import weakref
 
-from nanocp.control_plane.api.launch import freeze_startup_heap
+from nanocp.startup_heap import freeze_startup_heap
 
 
 class Node:

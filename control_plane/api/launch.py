@@ -19,6 +19,7 @@ from dataclasses import replace
 
 from nanocp.data_plane.ray_cluster import RayPlacement
 from nanocp.engine import Engine, EngineConfig
+from nanocp.startup_heap import freeze_startup_heap
 
 from .graceful import make_server
 from .server import ServerConfig, create_app
@@ -30,16 +31,6 @@ def build_engine(config: EngineConfig, placement: RayPlacement | None = None) ->
         return Engine(config)
     placement = placement or RayPlacement(config.instances_per_node or config.decode_instances)
     return Engine(replace(config, cluster_options={"placement": placement, "allow_one_group": True}))
-
-
-def freeze_startup_heap() -> None:
-    """Take everything alive once the cluster is up (modules, the model, the engine) out of Python's cyclic GC:
-    a full collection walks every tracked object, which in a serving process (about 200,000) took 100 ms on this
-    project's VM, holding the GIL, so the engine loop stalled and every running request's next token came late.
-    Only for a process that exists to serve (startup objects that end up in garbage cycles stay until `gc.unfreeze`,
-    which `serve` calls on its way out)."""
-    gc.collect()
-    gc.freeze()
 
 
 def curl_example(url: str, model: str, with_key: bool) -> str:
