@@ -35,6 +35,7 @@ from nanocp.data_plane.backends.cpu_attention import CpuPagedAttention
 from nanocp.models import ModelConfig
 
 from .bench_decode import RESULTS, nanocp_rates, prompts_for
+from .machine import describe, machine_info
 
 PATHS = ("kernels", "torch")
 COLD_LAYERS = 12  # 12 layers x 16 experts x 384 KB = 75 MB of expert weights: more than the caches keep
@@ -140,7 +141,7 @@ def main(argv: list[str] | None = None) -> dict:
         )
     result = {
         "benchmark": "fused fp32 CPU kernels vs the torch reference path, paired",
-        "machine": {"cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(), "torch": torch.__version__},
+        "machine": machine_info(),
         "settings": vars(args),
         "decode_step": {str(b): v for b, v in step.items()},
         "routed_experts": {str(b): v for b, v in experts.items()},
@@ -154,6 +155,7 @@ def main(argv: list[str] | None = None) -> dict:
         "",
         "Command: `python -m nanocp.bench.bench_cpu_kernels`. Measured on this machine, not a model output; each "
         f"row is the median of {args.repeats} runs per path, the paths alternating run by run in one process.",
+        describe(result["machine"]),
         "",
         "- decode step: `LLM.generate`, 1 instance (inline), greedy, ms per decode step;",
         "- routed experts: one MoE layer's `grouped_experts` (16 experts, top-4), the grouped expert kernel vs the "

@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import random
 import statistics
 import tempfile
@@ -37,6 +36,8 @@ import torch
 
 from nanocp import LLM, SamplingParams
 from nanocp.models import ModelConfig, save_tiny_checkpoint
+
+from .machine import describe, machine_info
 
 RESULTS = Path(__file__).resolve().parent / "results"
 BACKENDS = ("inline", "threads", "processes")
@@ -249,12 +250,7 @@ def main(argv: list[str] | None = None) -> dict:
     TimingLog(records=list(records)).dump(timing_path)  # dump() empties the list it is given
     result = {
         "benchmark": "decode throughput, tiny model, CPU",
-        "machine": {
-            "cpus": os.cpu_count(),
-            "torch_threads": torch.get_num_threads(),
-            "python": platform.python_version(),
-            "torch": torch.__version__,
-        },
+        "machine": machine_info(),
         "settings": vars(args),
         "rows": rows,
         "extra_rows": {c.describe(): r for c, r in extra.items()},
@@ -290,6 +286,8 @@ def main(argv: list[str] | None = None) -> dict:
         "",
         f"Machine load average (1/5/15 min): before {', '.join(f'{x:.2f}' for x in load_before)}, after "
         f"{', '.join(f'{x:.2f}' for x in load_after)} (2 cores, shared with other work).",
+        "",
+        describe(result["machine"]),
     ]
     lines += ["", "Per-phase seconds per iteration, batch 16 (instance: phase=seconds):", ""]
     for inst, phases in result["phase_seconds_per_iteration_batch16"].items():

@@ -16,14 +16,13 @@ import argparse
 import json
 import multiprocessing as mp
 import os
-import platform
 import time
 import zlib
 from pathlib import Path
 
 import numpy as np
-import torch
 
+from nanocp.bench.machine import machine_info
 from nanocp.comm import ShmMetadataReceiver, ShmMetadataSender, TcpMetadataReceiver, TcpMetadataSender
 
 REPO = Path(__file__).resolve().parents[1]
@@ -114,23 +113,6 @@ def crc32_cost_us(size: int, repeat: int = 50) -> float:
     return round(float(np.median(times)), 1)
 
 
-def machine_info() -> dict:
-    cpu = platform.processor()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
-    except OSError:
-        pass
-    return {
-        "cpu": cpu,
-        "cores": os.cpu_count(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "platform": platform.platform(),
-        "load_average_at_start": [round(x, 2) for x in os.getloadavg()],
-    }
-
-
 def write_results(result: dict, out_dir: Path) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "metadata_channel.json").write_text(json.dumps(result, indent=2) + "\n")
@@ -138,8 +120,8 @@ def write_results(result: dict, out_dir: Path) -> None:
     lines = [
         "# Metadata channel: push-to-visible latency",
         "",
-        f"Measured on this CPU machine: {m['cpu']}, {m['cores']} cores, Python {m['python']}, torch {m['torch']}; "
-        f"load average {m['load_average_at_start']} at start, {m.get('load_average_at_end')} at end "
+        f"Measured on this CPU machine: {m['cpu']}, {m['cpus']} cores, Python {m['python']}, torch {m['torch']}; "
+        f"load average {m['load_average']} at start, {m.get('load_average_at_end')} at end "
         "(the cores are shared with other jobs, which shows in the tails).",
         f"{result['config']['pushes']} timed pushes per row after {result['config']['warmup']} warm-up pushes; "
         "receiver in a separate process; the next push starts after the previous table was acknowledged.",

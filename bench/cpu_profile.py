@@ -30,8 +30,6 @@ from __future__ import annotations
 
 import datetime as dt
 import json
-import os
-import platform
 import time
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
@@ -54,6 +52,7 @@ from .latency_profile import (
     fit_linear_cost,
     fit_profile_from_timing_log,
 )
+from .machine import machine_info
 
 PROFILE_NAME = "cpu-tiny"
 RUN_ITERATION_OFFSET = 1_000_000
@@ -398,21 +397,6 @@ def _calibrate(
 # ---------------------------------------------------------------------------------------------------------------
 # Entry points
 # ---------------------------------------------------------------------------------------------------------------
-
-
-def machine_info() -> dict[str, Any]:
-    import torch
-
-    load = os.getloadavg() if hasattr(os, "getloadavg") else (float("nan"),) * 3
-    return {
-        "host": platform.node(),
-        "platform": platform.platform(),
-        "processor": platform.processor() or platform.machine(),
-        "cpus": os.cpu_count(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "load_average": [round(x, 2) for x in load],
-    }
 
 
 def profile_decode(

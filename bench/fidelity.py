@@ -23,8 +23,9 @@ from typing import Any
 
 import numpy as np
 
-from .cpu_profile import StepRecorder, StepSample, machine_info
+from .cpu_profile import StepRecorder, StepSample
 from .latency_profile import LatencyProfile
+from .machine import machine_info
 from .simulator import RESULTS_DIR
 
 GOAL_MEDIAN_APE = 0.15

@@ -36,6 +36,11 @@ def unavailable_reason() -> str | None:
     return None
 
 
+def vector_lanes() -> int | None:
+    """fp32 lanes of the vector registers the extension was built for (16: AVX-512, 8: AVX2); None without it."""
+    return None if _k is None else int(_k.vector_lanes)
+
+
 def set_enabled(enabled: bool) -> bool:
     """Switch the fused path on or off (it stays off without the extension); returns the previous setting."""
     global _enabled

@@ -7,6 +7,7 @@ in fp64) and the paged MLA attention (models.mla_paged_attention_with_lse); and 
 from __future__ import annotations
 
 import dataclasses
+import os
 from types import SimpleNamespace
 
 import numpy as np
@@ -28,6 +29,18 @@ pytestmark = pytest.mark.skipif(
 TINY = ModelConfig.tiny()
 TOL = 1e-6  # a few fp32 ulp, relative to the largest reference value
 ROPE_HALVES = [1, 3, 8, 32, 64, 128]  # the kernels' table holds rope <= 256 dims
+
+
+def cpu_flags() -> set[str]:
+    with open("/proc/cpuinfo", encoding="utf-8") as f:
+        return next((set(line.split(":", 1)[1].split()) for line in f if line.startswith("flags")), set())
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/cpuinfo"), reason="reads the CPU flags from /proc/cpuinfo")
+def test_kernels_are_built_for_this_cpus_vector_width():
+    """The register tiles are sized by the vector width (-march=native by default): 16 fp32 lanes where the CPU has
+    AVX-512, 8 elsewhere (AVX-512-sized tiles on an AVX2 CPU spill every accumulator: several times slower)."""
+    assert cpu_kernels.vector_lanes() == (16 if "avx512f" in cpu_flags() else 8)
 
 
 def randn(gen: torch.Generator, *shape: int, scale: float = 1.0) -> torch.Tensor:

@@ -1,5 +1,6 @@
 """Prefill latency model (Tetris Eq. 1): fit, chunk-length solver, profile files."""
 
+import dataclasses
 import json
 import math
 
@@ -152,7 +153,11 @@ def test_profile_round_trip(tmp_path):
 def test_a100_profile_matches_table1_and_rebuilds():
     (model,) = load_profile(profile_path("a100-llama3-8b"))
     rebuilt, _ = build.build_a100_llama3_8b()
-    assert model.coeffs == rebuilt[0].coeffs  # the shipped file is what the builder produces
+    # the shipped file is what the builder produces (up to the fit's last-bit rounding, which differs between BLAS
+    # builds and CPUs)
+    assert model.coeffs.keys() == rebuilt[0].coeffs.keys()
+    for sp, coeffs in rebuilt[0].coeffs.items():
+        assert dataclasses.astuple(model.coeffs[sp]) == pytest.approx(dataclasses.astuple(coeffs), rel=1e-9, abs=0)
     for sp, row in build.TABLE1_SECONDS.items():
         for prompt, seconds in zip(build.TABLE1_PROMPTS, row):
             if seconds is not None:

@@ -48,10 +48,16 @@ void require_rows(const A& a, const char* name) {
 
 std::string shape_of(size_t a, size_t b) { return "[" + std::to_string(a) + ", " + std::to_string(b) + "]"; }
 
-// 16 fp32 lanes (one AVX-512 register, two AVX2 ones): the reductions below use them explicitly, because without
-// -ffast-math the compiler keeps a float sum in order and does not vectorize it.
-typedef float Lanes __attribute__((vector_size(64)));
-constexpr int64_t kLanes = 16;
+// One vector register of fp32 lanes: 16 with AVX-512, else 8 (AVX2; narrower units split it). The reductions below
+// use them explicitly, because without -ffast-math the compiler keeps a float sum in order and does not vectorize it.
+// The register tiles further down are sized by kLanes: 32 vector registers with AVX-512, 16 without.
+#if defined(__AVX512F__)
+#define NANOCP_LANES 16
+#else
+#define NANOCP_LANES 8
+#endif
+constexpr int64_t kLanes = NANOCP_LANES;
+typedef float Lanes __attribute__((vector_size(kLanes * sizeof(float))));
 
 inline Lanes load_lanes(const float* p) {
   Lanes v;
@@ -74,22 +80,13 @@ inline void in_blocks(int64_t n, F&& f) {
   for (int64_t first = 0; first < n; first += Max) call_block<Max>(std::min<int64_t>(Max, n - first), first, f);
 }
 
-typedef float HalfLanes __attribute__((vector_size(32)));
-typedef float QuarterLanes __attribute__((vector_size(16)));
-
-// The lanes added up as a tree (halves, quarters, pairs): a chain of 4 dependent adds instead of 16.
+// The lanes added up as a tree (halves, quarters, ...): a chain of log2(kLanes) dependent adds instead of kLanes.
 inline float lane_sum(Lanes v) {
-#if defined(__clang__) || __GNUC__ >= 12  // __builtin_shufflevector
-  const HalfLanes h = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
-                      __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
-  const QuarterLanes q = __builtin_shufflevector(h, h, 0, 1, 2, 3) + __builtin_shufflevector(h, h, 4, 5, 6, 7);
-  return (q[0] + q[2]) + (q[1] + q[3]);
-#else
-  float half[8];
-  for (int i = 0; i < 8; ++i) half[i] = v[i] + v[i + 8];
-  for (int i = 0; i < 4; ++i) half[i] += half[i + 4];
-  return (half[0] + half[2]) + (half[1] + half[3]);
-#endif
+  float s[kLanes];
+  std::memcpy(s, &v, sizeof v);
+  for (int64_t width = kLanes / 2; width > 0; width /= 2)
+    for (int64_t i = 0; i < width; ++i) s[i] += s[i + width];
+  return s[0];
 }
 
 // sum of a[i] * b[i] over n values.
@@ -444,7 +441,7 @@ void pack_dispatch_rows(F32<2> x, I64<1> source, I64<1> tags, F32<2> out) {
 
 // ---- grouped expert MLP ---------------------------------------------------------------------------------------
 
-// C rows [MR, 16 * NV] = A rows [MR, k] @ B[k, 16 * NV] (B rows ldb apart). Rows are given by pointer, so a
+// C rows [MR, kLanes * NV] = A rows [MR, k] @ B[k, kLanes * NV] (B rows ldb apart). Rows are given by pointer, so a
 // token's input row is read where it was received and its output written where the caller wants it (no gather,
 // no scatter). MR x NV accumulators stay in registers over the whole k loop; each B vector is used MR times.
 template <int MR, int NV>
@@ -469,11 +466,13 @@ inline void gemm_tile(int64_t k, const float* const* a, const float* b, int64_t 
     for (int j = 0; j < NV; ++j) std::memcpy(c[i] + kLanes * j, &acc[i][j], sizeof(Lanes));
 }
 
-constexpr int kTileRows = 6;   // 6 rows x 4 vectors = 24 accumulators + 4 B vectors: 28 of the 32 registers
-constexpr int kTileVectors = 4;
+// 6 rows x 4 vectors = 24 accumulators + 4 B vectors: 28 of AVX-512's 32 registers; with AVX2, 6 x 2 = 12 + 2 of
+// its 16 (a 6 x 4 tile of AVX2 registers spills the accumulators to the stack on every FMA: ~7x slower).
+constexpr int kTileRows = 6;
+constexpr int kTileVectors = kLanes == 16 ? 4 : 2;
 
-// C rows [m, n] = A rows [m, k] @ B [k, n] (B rows ldb apart; n a multiple of 16). Column blocks outside, row tiles
-// inside: a column block of B (k x 64 floats) is read from cache by every row tile.
+// C rows [m, n] = A rows [m, k] @ B [k, n] (B rows ldb apart; n a multiple of kLanes). Column blocks outside, row
+// tiles inside: a column block of B (k x kTileVectors vectors) is read from cache by every row tile.
 void gemm_rows(int64_t m, int64_t n, int64_t k, const float* const* a, const float* b, int64_t ldb, float* const* c) {
   in_blocks<kTileVectors>(n / kLanes, [&](auto vectors, int64_t first_vector) {
     const int64_t col = first_vector * kLanes;
@@ -502,7 +501,7 @@ void grouped_expert_mlp(F32<2> source, I64<1> rows, I64<1> local, F32<3> gate_up
               static_cast<int64_t>(down.shape(2)) == dim && static_cast<int64_t>(source.shape(1)) == dim &&
               static_cast<int64_t>(y.shape(1)) == dim,
           "grouped_expert_mlp: gate_up [E, D, 2I], down [E, I, D], source [R, D] and y [N, D] disagree");
-  REQUIRE(dim % kLanes == 0 && inter % kLanes == 0,
+  REQUIRE(dim % 16 == 0 && inter % 16 == 0,  // whole vectors whatever kLanes the build has
           "grouped_expert_mlp: hidden and intermediate sizes must be multiples of 16");
   std::vector<int64_t> count(experts + 1, 0);  // then: each expert's first position in `order`
   for (int64_t i = 0; i < n; ++i) {
@@ -547,33 +546,48 @@ void grouped_expert_mlp(F32<2> source, I64<1> rows, I64<1> local, F32<3> gate_up
 
 // ---- shard attention -----------------------------------------------------------------------------------------
 
-// The lane sums of 16 vectors as one vector: out[i] = sum of the lanes of v[i]. A transpose-and-add tree (halves,
-// quarters, pairs, single lanes): 15 adds of two shuffles each, where 16 separate lane sums take 16 shuffle chains
-// and 16 scalar results.
-inline Lanes lane_sums16(const Lanes* v) {
-#if defined(__clang__) || __GNUC__ >= 12
+// The lane sums of kLanes vectors as one vector: out[i] = sum of the lanes of v[i]. A transpose-and-add tree
+// (halves, quarters, ..., single lanes): kLanes - 1 adds of two shuffles each, where separate lane sums take kLanes
+// shuffle chains and kLanes scalar results. Each lane's sum is added up in lane_sum's order.
+inline Lanes lane_sums(const Lanes* v) {
+#if (defined(__clang__) || __GNUC__ >= 12) && NANOCP_LANES == 16
   Lanes w[8], x[4], y[2];
   for (int j = 0; j < 8; ++j)  // w[j]: 8 partial sums of v[2j], then 8 of v[2j + 1]
     w[j] = __builtin_shufflevector(v[2 * j], v[2 * j + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
-           __builtin_shufflevector(v[2 * j], v[2 * j + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30,
-                                   31);
+           __builtin_shufflevector(v[2 * j], v[2 * j + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29,
+                                   30, 31);
   for (int k = 0; k < 4; ++k)  // x[k]: 4 partial sums of each of v[4k .. 4k + 3]
-    x[k] = __builtin_shufflevector(w[2 * k], w[2 * k + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
-           __builtin_shufflevector(w[2 * k], w[2 * k + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+    x[k] = __builtin_shufflevector(w[2 * k], w[2 * k + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26,
+                                   27) +
+           __builtin_shufflevector(w[2 * k], w[2 * k + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30,
+                                   31);
   for (int l = 0; l < 2; ++l)  // y[l]: 2 partial sums of each of v[8l .. 8l + 7]
-    y[l] = __builtin_shufflevector(x[2 * l], x[2 * l + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
-           __builtin_shufflevector(x[2 * l], x[2 * l + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
+    y[l] = __builtin_shufflevector(x[2 * l], x[2 * l + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28,
+                                   29) +
+           __builtin_shufflevector(x[2 * l], x[2 * l + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30,
+                                   31);
   return __builtin_shufflevector(y[0], y[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
          __builtin_shufflevector(y[0], y[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+#elif (defined(__clang__) || __GNUC__ >= 12) && NANOCP_LANES == 8
+  Lanes x[4], y[2];
+  for (int k = 0; k < 4; ++k)  // x[k]: 4 partial sums of v[2k], then 4 of v[2k + 1]
+    x[k] = __builtin_shufflevector(v[2 * k], v[2 * k + 1], 0, 1, 2, 3, 8, 9, 10, 11) +
+           __builtin_shufflevector(v[2 * k], v[2 * k + 1], 4, 5, 6, 7, 12, 13, 14, 15);
+  for (int l = 0; l < 2; ++l)  // y[l]: 2 partial sums of each of v[4l .. 4l + 3]
+    y[l] = __builtin_shufflevector(x[2 * l], x[2 * l + 1], 0, 1, 4, 5, 8, 9, 12, 13) +
+           __builtin_shufflevector(x[2 * l], x[2 * l + 1], 2, 3, 6, 7, 10, 11, 14, 15);
+  return __builtin_shufflevector(y[0], y[1], 0, 2, 4, 6, 8, 10, 12, 14) +
+         __builtin_shufflevector(y[0], y[1], 1, 3, 5, 7, 9, 11, 13, 15);
 #else
   Lanes out;
-  for (int i = 0; i < 16; ++i) out[i] = lane_sum(v[i]);
+  for (int i = 0; i < kLanes; ++i) out[i] = lane_sum(v[i]);
   return out;
 #endif
 }
 
 // Scores of a tile of HB heads x TB kv rows: score[h * stride + t] = scale * q_h . kv_t (q rows q_stride apart).
-// The tile loads each q and kv chunk once for TB or HB products; a 4 x 4 tile reduces its 16 sums together.
+// The tile loads each q and kv chunk once for TB or HB products; a full tile (HB * TB = kLanes) reduces its sums
+// together.
 template <int HB, int TB>
 inline void score_tile(const float* q, int64_t q_stride, const float* kv, int64_t dqk, float scale, float* score,
                        int64_t stride) {
@@ -589,8 +603,8 @@ inline void score_tile(const float* q, int64_t q_stride, const float* kv, int64_
     }
   }
   float sums[HB * TB];
-  if constexpr (HB * TB == 16) {
-    const Lanes all = lane_sums16(acc);
+  if constexpr (HB * TB == kLanes) {
+    const Lanes all = lane_sums(acc);
     std::memcpy(sums, &all, sizeof all);
   } else {
     for (int i = 0; i < HB * TB; ++i) sums[i] = lane_sum(acc[i]);
@@ -603,6 +617,10 @@ inline void score_tile(const float* q, int64_t q_stride, const float* kv, int64_
     }
 }
 
+// Score tiles of 4 heads x kScoreRows kv rows: 16 accumulators + 4 kv vectors + 1 q of AVX-512's 32 registers;
+// with AVX2, 8 + 2 + 1 of its 16.
+constexpr int kScoreRows = kLanes / 4;
+
 // score [H, stride] <- the scaled scores of `rows` consecutive kv rows for every head (q rows q_stride apart).
 void rows_scores(const float* q, int64_t q_stride, int64_t heads, const float* kv, int64_t rows, int64_t dqk,
                  float scale, float* score, int64_t stride) {
@@ -610,8 +628,10 @@ void rows_scores(const float* q, int64_t q_stride, int64_t heads, const float* k
     constexpr int HB = decltype(hb)::value;
     const float* qh = q + h * q_stride;
     float* sh = score + h * stride;
-    int64_t t = 0;  // rows in tiles of 4, the rest one by one (a tile per tail size made the loop slower)
-    for (; t + 4 <= rows; t += 4) score_tile<HB, 4>(qh, q_stride, kv + t * dqk, dqk, scale, sh + t, stride);
+    // rows in tiles of kScoreRows, the rest one by one (a tile per tail size made the loop slower)
+    int64_t t = 0;
+    for (; t + kScoreRows <= rows; t += kScoreRows)
+      score_tile<HB, kScoreRows>(qh, q_stride, kv + t * dqk, dqk, scale, sh + t, stride);
     for (; t < rows; ++t) score_tile<HB, 1>(qh, q_stride, kv + t * dqk, dqk, scale, sh + t, stride);
   });
 }
@@ -748,6 +768,7 @@ void mla_paged_attention(F32<3> q, F32<3> kv_pages, I32<2> block_table, I64<1> l
 // results, for the arrays a kernel writes, would be lost).
 NB_MODULE(_cpu_kernels, m) {
   m.doc() = "nanocp fused fp32 CPU kernels of the eager decode path (tests compare each with its torch reference)";
+  m.attr("vector_lanes") = kLanes;
   auto array = [](const char* name) { return nb::arg(name).noconvert(); };
   m.def("rms_norm", &rms_norm, array("x"), array("weight"), nb::arg("eps"), array("out"));
   m.def("mla_qkv_post", &mla_qkv_post, array("qkv"), array("q_norm"), array("kv_norm"), nb::arg("eps"),
