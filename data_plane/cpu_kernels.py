@@ -150,20 +150,37 @@ def pack_dispatch_rows(x: torch.Tensor, source: np.ndarray, tags: np.ndarray, ou
     _k.pack_dispatch_rows(_np(x), source, tags, _np(out))
 
 
-def grouped_expert_mlp_usable(source: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> bool:
-    """Whether grouped_expert_mlp takes these: fp32 CPU tensors, hidden and intermediate sizes multiples of 16."""
-    return (
-        usable(source) and usable(gate_up) and usable(down) and gate_up.shape[1] % 16 == 0 and down.shape[1] % 16 == 0
-    )
+def panel_width() -> int | None:
+    """Columns per weight panel of the GEMM kernels (one register tile: 16 with AVX2, 64 with AVX-512)."""
+    return None if _k is None else int(_k.panel_width)
+
+
+def pack_panels(w: torch.Tensor) -> torch.Tensor:
+    """w [..., k, n] -> its panels [..., ceil(n / W), k, W] fp32 (W = panel_width(); columns past n are 0): the
+    layout the GEMM kernels read, each panel one contiguous block."""
+    width = panel_width()
+    k, n = w.shape[-2:]
+    panels = -(-n // width)
+    padded = torch.nn.functional.pad(w.detach().float(), (0, panels * width - n))  # [..., k, P * W]
+    return padded.unflatten(-1, (panels, width)).transpose(-3, -2).contiguous()
+
+
+def linear(x: torch.Tensor, panels: torch.Tensor, n: int, base: torch.Tensor | None = None) -> torch.Tensor:
+    """x [T, k] @ W (+ base [T, n]) -> [T, n], W [k, n] given as pack_panels(W)."""
+    out, o = _empty(x.shape[0], n)
+    _k.linear_panels(_np(x), _weight(panels), n, None if base is None else _np(base), o)
+    return out
 
 
 def grouped_expert_mlp(
-    source: torch.Tensor, rows: np.ndarray, local: np.ndarray, gate_up: torch.Tensor, down: torch.Tensor
+    source: torch.Tensor, rows: np.ndarray, local: np.ndarray, gate_up_panels: torch.Tensor, down_panels: torch.Tensor
 ) -> torch.Tensor:
-    """source [R, D], rows / local int64 [N], gate_up [E, D, 2I], down [E, I, D] -> y [N, D]: row i is local expert
-    local[i]'s SwiGLU MLP of source[rows[i]] (no padding; idle experts cost nothing)."""
+    """source [R, D], rows / local int64 [N], the experts' gate_up [E, D, 2I] and down [E, I, D] as pack_panels ->
+    y [N, D]: row i is local expert local[i]'s SwiGLU MLP of source[rows[i]] (no padding; idle experts cost
+    nothing)."""
     y, out = _empty(len(rows), source.shape[1])
-    _k.grouped_expert_mlp(_np(source), rows, local, _weight(gate_up), _weight(down), out)
+    inter = down_panels.shape[-2]
+    _k.grouped_expert_mlp(_np(source), rows, local, _weight(gate_up_panels), _weight(down_panels), inter, out)
     return y
 
 

@@ -31,22 +31,58 @@ from . import cpu_kernels
 
 ABSORB_MAX_FLOP_RATIO = 2.0
 SEGMENT_MIN_ROWS = 64  # grouped experts: mean tokens per expert from which per-expert GEMMs beat padded bmm's
+PANEL_MAX_ROWS = 128  # GEMMs of up to this many rows (decode batches) take the panel kernel; more (prefill): torch's
 _COMPLEX_ROPE_DTYPES = (torch.float32, torch.float64)
 
 
 # ---- prepared weights -----------------------------------------------------------------------------------------
 
 
+def _panels(w: torch.Tensor) -> torch.Tensor | None:
+    """The panel-packed copy of an fp32 CPU weight [..., in, out] for the GEMM kernels (None where they do not
+    run). It doubles these weights' memory: the [in, out] tensor stays for torch's GEMMs (prefill batches, the
+    reference path, other dtypes and devices)."""
+    if cpu_kernels.panel_width() is None or w.dtype != torch.float32 or not w.is_cpu:
+        return None
+    return cpu_kernels.pack_panels(w)
+
+
+@dataclass
+class Linear:
+    """A weight prepared for `x @ W`: [in, out] for torch's GEMMs, and its panels for the CPU GEMM kernel, which
+    decode batches take (few rows and a cold weight: the kernel reads the weight once, in order; see
+    cpu_kernels.cpp)."""
+
+    weight: torch.Tensor  # [in, out]
+    panels: torch.Tensor | None  # cpu_kernels.pack_panels(weight)
+
+    @classmethod
+    def of(cls, weight: torch.Tensor) -> Linear:
+        """weight [in, out] (made contiguous)."""
+        weight = weight.contiguous()
+        return cls(weight, _panels(weight))
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.weight.shape
+
+    def __call__(self, x: torch.Tensor, base: torch.Tensor | None = None) -> torch.Tensor:
+        """x [T, in] -> x @ W [T, out] (+ base [T, out])."""
+        if self.panels is not None and x.shape[0] <= PANEL_MAX_ROWS and cpu_kernels.usable(x):
+            return cpu_kernels.linear(x, self.panels, self.weight.shape[1], base)
+        return torch.mm(x, self.weight) if base is None else torch.addmm(base, x, self.weight)
+
+
 @dataclass
 class GatedMLP:
     """SwiGLU MLP with [in, out] weights."""
 
-    gate_up: torch.Tensor  # [D, 2I]: gate | up
-    down: torch.Tensor  # [I, D]
+    gate_up: Linear  # [D, 2I]: gate | up
+    down: Linear  # [I, D]
 
     @classmethod
     def of(cls, mlp: MLPWeights) -> GatedMLP:
-        return cls(torch.cat([mlp.gate_proj, mlp.up_proj]).T.contiguous(), mlp.down_proj.T.contiguous())
+        return cls(Linear.of(torch.cat([mlp.gate_proj, mlp.up_proj]).T), Linear.of(mlp.down_proj.T))
 
 
 @dataclass
@@ -56,20 +92,24 @@ class GroupedExperts:
     gate_up: torch.Tensor  # [E_local, D, 2I]
     down: torch.Tensor  # [E_local, I, D]
 
+    def __post_init__(self) -> None:
+        self.gate_up_panels = _panels(self.gate_up)  # [E_local, P, D, W]: the grouped expert kernel's layout
+        self.down_panels = _panels(self.down)  # [E_local, P', I, W]
+
     @classmethod
     def of(cls, experts: Sequence[MLPWeights]) -> GroupedExperts:
-        mlps = [GatedMLP.of(e) for e in experts]
-        return cls(torch.stack([m.gate_up for m in mlps]), torch.stack([m.down for m in mlps]))
+        gate_up = [torch.cat([e.gate_proj, e.up_proj]).T for e in experts]
+        return cls(torch.stack(gate_up).contiguous(), torch.stack([e.down_proj.T for e in experts]).contiguous())
 
 
 @dataclass
 class DecodeAttentionWeights:
-    qkv_a: torch.Tensor  # [D, q_lora + kv_lora + rope] (no q_lora: [D, kv_lora + rope]); rope dims in pair order
+    qkv_a: Linear  # [D, q_lora + kv_lora + rope] (no q_lora: [D, kv_lora + rope]); rope dims in pair order
     q_a_norm: torch.Tensor | None  # [q_lora]
-    q_b: torch.Tensor  # [q_in, H * (kv_lora + rope)] absorbed, else [q_in, H * (nope + rope)]; q_in = q_lora or D
+    q_b: Linear  # [q_in, H * (kv_lora + rope)] absorbed, else [q_in, H * (nope + rope)]; q_in = q_lora or D
     w_uk: torch.Tensor | None  # [H, nope, kv_lora] when the query is not absorbed
     kv_a_norm: torch.Tensor  # [kv_lora]
-    w_o: torch.Tensor  # [H * kv_lora, D] absorbed (W_UV, then o_proj), else o_proj as [H * v, D]
+    w_o: Linear  # [H * kv_lora, D] absorbed (W_UV, then o_proj), else o_proj as [H * v, D]
     w_uv: torch.Tensor | None  # [H, kv_lora, v] when the output is not absorbed
 
 
@@ -80,7 +120,7 @@ class DecodeLayerWeights:
     post_attention_norm: torch.Tensor  # [D]
     attn: DecodeAttentionWeights
     mlp: GatedMLP | None  # dense layers
-    gate: torch.Tensor | None  # [D, E] fp32 (MoE layers)
+    gate: Linear | None  # [D, E] fp32 (MoE layers)
     gate_bias: torch.Tensor | None  # [E] fp32
     shared: GatedMLP | None
     experts: GroupedExperts | None  # this instance's routed experts, in local order
@@ -92,7 +132,7 @@ class DecodeWeights:
     embed_tokens: torch.Tensor  # [V, D]
     layers: list[DecodeLayerWeights]
     norm: torch.Tensor  # [D]
-    lm_head: torch.Tensor  # [D, V]
+    lm_head: Linear  # [D, V]
     rope: RotaryEmbedding
     rope_cache: RopeCache
 
@@ -101,7 +141,7 @@ class DecodeWeights:
         """Prepare `model` for decoding; `local_experts` (global ids, in local order) are stacked per MoE layer."""
         layers = [_prepare_layer(layer, local_experts) for layer in model.layers]
         rope_cache = RopeCache(model.rope, model.config.max_position_embeddings)
-        lm_head = model.lm_head.T.contiguous()
+        lm_head = Linear.of(model.lm_head.T)
         return cls(model.config, model.embed_tokens, layers, model.norm, lm_head, model.rope, rope_cache)
 
     def with_experts(self, model: DeepseekV3Weights, local_experts: Sequence[int]) -> DecodeWeights:
@@ -150,7 +190,7 @@ def _prepare_attention(layer: LayerWeights) -> DecodeAttentionWeights:
         q_b = torch.cat([latent, q_rope.transpose(1, 2)], dim=2)  # [H, q_in, kv_lora + rope]
     else:
         q_b = torch.cat([q_nope, q_rope], dim=1).transpose(1, 2)  # [H, q_in, nope + rope]
-    q_b = q_b.transpose(0, 1).reshape(q_in, -1).contiguous()
+    q_b = q_b.transpose(0, 1).reshape(q_in, -1)
     absorb_o = _absorb(heads * lora * c.hidden_size, heads * lora * v + heads * v * c.hidden_size)
     o_heads = a.o_proj.view(c.hidden_size, heads, v)  # [D, H, v]
     if absorb_o:  # per head [kv_lora, D] = W_UV_h^T @ o_proj_h^T
@@ -159,12 +199,12 @@ def _prepare_attention(layer: LayerWeights) -> DecodeAttentionWeights:
         w_o = a.o_proj.T.contiguous()
     qkv_a = kv_a if a.q_proj is not None else torch.cat([a.q_a_proj, kv_a])
     return DecodeAttentionWeights(
-        qkv_a=qkv_a.T.contiguous(),
+        qkv_a=Linear.of(qkv_a.T),
         q_a_norm=a.q_a_norm,
-        q_b=q_b,
+        q_b=Linear.of(q_b),
         w_uk=None if absorb_q else w_uk.contiguous(),
         kv_a_norm=a.kv_a_norm,
-        w_o=w_o.contiguous(),
+        w_o=Linear.of(w_o),
         w_uv=None if absorb_o else w_uv.transpose(1, 2).contiguous(),
     )
 
@@ -188,7 +228,7 @@ def _prepare_layer(layer: LayerWeights, local_experts: Sequence[int]) -> DecodeL
         post_attention_norm=layer.post_attention_norm,
         attn=_prepare_attention(layer),
         mlp=None if layer.mlp is None else GatedMLP.of(layer.mlp),
-        gate=None if moe is None else moe.gate.float().T.contiguous(),
+        gate=None if moe is None else Linear.of(moe.gate.float().T),
         gate_bias=None if moe is None else moe.e_score_correction_bias.float(),
         shared=None if moe is None or moe.shared is None else GatedMLP.of(moe.shared),
         experts=experts,
@@ -289,10 +329,10 @@ def project(
     a, t = w.attn, h.shape[0]
     heads, lora, rope_dim = c.num_attention_heads, c.kv_lora_rank, c.qk_rope_head_dim
     x = norm(h, w.input_norm, c.rms_norm_eps)
-    qkv = torch.mm(x, a.qkv_a)  # [T, q_lora + kv_lora + rope]
+    qkv = a.qkv_a(x)  # [T, q_lora + kv_lora + rope]
     if a.w_uk is None and cpu_kernels.usable(qkv) and a.kv_a_norm.dtype == torch.float32:
         q_in, kv_new = cpu_kernels.mla_qkv_post(qkv, a.q_a_norm, a.kv_a_norm, LATENT_NORM_EPS, rope.cos_sin)
-        q_latent = torch.mm(x if q_in is None else q_in, a.q_b).view(t, heads, lora + rope_dim)
+        q_latent = a.q_b(x if q_in is None else q_in).view(t, heads, lora + rope_dim)
         return cpu_kernels.rope_heads_(q_latent, lora, rope.cos_sin), kv_new
     q_lora = qkv.shape[1] - lora - rope_dim
     kv_new = torch.cat(
@@ -304,14 +344,14 @@ def project(
     )
     q_in = x if a.q_a_norm is None else norm(qkv[:, :q_lora], a.q_a_norm, LATENT_NORM_EPS)
     if a.w_uk is None:  # absorbed: [T, H, kv_lora + rope] straight from the GEMM
-        q_latent = torch.mm(q_in, a.q_b).view(t, heads, lora + rope_dim)
+        q_latent = a.q_b(q_in).view(t, heads, lora + rope_dim)
         q_pe = q_latent[..., lora:]
         if q_latent.dtype in _COMPLEX_ROPE_DTYPES:  # rotate in place: one copy of the product
             q_pe.unflatten(-1, (2, rope_dim // 2)).copy_(_rotated(q_pe, rope.per_head))
         else:
             q_pe.copy_(rotate_pairs(q_pe, rope))
         return q_latent, kv_new
-    q = torch.mm(q_in, a.q_b).view(t, heads, -1)  # [T, H, nope + rope]
+    q = a.q_b(q_in).view(t, heads, -1)  # [T, H, nope + rope]
     nope = q.shape[-1] - rope_dim
     latent = torch.bmm(q[..., :nope].transpose(0, 1), a.w_uk).transpose(0, 1)  # [T, H, kv_lora]
     return torch.cat([latent, rotate_pairs(q[..., nope:], rope)], dim=-1), kv_new
@@ -321,9 +361,9 @@ def add_attention_output(w: DecodeLayerWeights, h: torch.Tensor, o_latent: torch
     """h [T, D] + attention output of the merged o_latent [T, H, kv_lora] (as models.mla_decode_output)."""
     a, t = w.attn, h.shape[0]
     if a.w_uv is None:
-        return torch.addmm(h, o_latent.reshape(t, -1), a.w_o)
+        return a.w_o(o_latent.reshape(t, -1), base=h)
     o = torch.bmm(o_latent.transpose(0, 1), a.w_uv).transpose(0, 1)  # [T, H, v]
-    return torch.addmm(h, o.reshape(t, -1), a.w_o)
+    return a.w_o(o.reshape(t, -1), base=h)
 
 
 def ffn_input(w: DecodeLayerWeights, c: ModelConfig, h: torch.Tensor) -> torch.Tensor:
@@ -332,7 +372,7 @@ def ffn_input(w: DecodeLayerWeights, c: ModelConfig, h: torch.Tensor) -> torch.T
 
 def add_mlp(mlp: GatedMLP, x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
     """h [T, D] + SwiGLU(x [T, D])."""
-    return torch.addmm(h, swiglu(x @ mlp.gate_up), mlp.down)
+    return mlp.down(swiglu(mlp.gate_up(x)), base=h)
 
 
 def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
@@ -347,10 +387,10 @@ def moe_gate(w: DecodeLayerWeights, c: ModelConfig, x: torch.Tensor) -> tuple[to
     """x [T, D] -> topk_idx int64 [T, k], topk_weights fp32 [T, k] (as models.moe_gate)."""
     t = x.shape[0]
     if cpu_kernels.usable(x):
-        logits = torch.mm(x, w.gate)  # [T, E]
+        logits = w.gate(x)  # [T, E]
         k, scale = c.num_experts_per_tok, c.routed_scaling_factor
         return cpu_kernels.moe_gate_topk(logits, w.gate_bias, c.n_group, c.topk_group, k, c.norm_topk_prob, scale)
-    scores = torch.mm(x.float(), w.gate).sigmoid_()  # [T, E]
+    scores = w.gate(x.float()).sigmoid_()  # [T, E]
     choice = scores + w.gate_bias
     if c.n_group > 1:
         grouped = choice.view(t, c.n_group, c.experts_per_group)
@@ -383,8 +423,8 @@ def grouped_experts(
         return source.new_empty(0, source.shape[1])
     num_experts = experts.gate_up.shape[0]
     large = n >= SEGMENT_MIN_ROWS * num_experts
-    if not large and cpu_kernels.grouped_expert_mlp_usable(source, experts.gate_up, experts.down):
-        return cpu_kernels.grouped_expert_mlp(source, rows, local, experts.gate_up, experts.down)
+    if not large and experts.gate_up_panels is not None and cpu_kernels.usable(source):
+        return cpu_kernels.grouped_expert_mlp(source, rows, local, experts.gate_up_panels, experts.down_panels)
     counts = np.bincount(local, minlength=num_experts)
     order = np.argsort(local, kind="stable")
     starts = np.cumsum(counts) - counts
@@ -440,4 +480,4 @@ def slab_experts(experts: GroupedExperts | None, recv_x: torch.Tensor, out: torc
 
 def final_logits(w: DecodeWeights, h: torch.Tensor) -> torch.Tensor:
     """h [T, D] -> logits [T, vocab] (as models.logits)."""
-    return norm(h, w.norm, w.config.rms_norm_eps) @ w.lm_head
+    return w.lm_head(norm(h, w.norm, w.config.rms_norm_eps))

@@ -184,7 +184,7 @@ def test_moe_gate_topk_equals_the_torch_gate(shape, tokens, normalize, scale, ex
     config = gate_config(TINY, experts, n_group, topk_group, top_k, normalize, scale)
     idx, weights = cpu_kernels.moe_gate_topk(logits, bias, n_group, topk_group, top_k, normalize, scale)
     # the torch branch on x = logits and an identity gate: its GEMM reproduces the logits exactly
-    layer = SimpleNamespace(gate=torch.eye(experts), gate_bias=bias)
+    layer = SimpleNamespace(gate=dl.Linear.of(torch.eye(experts)), gate_bias=bias)
     previous = cpu_kernels.set_enabled(False)
     try:
         idx_ref, weights_ref = dl.moe_gate(layer, config, logits.contiguous())
@@ -234,21 +234,22 @@ def expert_mlp_reference(source, rows, local, gate_up, down) -> torch.Tensor:
     tokens=st.integers(0, 40),
     sources=st.integers(1, 12),
     experts=st.integers(1, 6),
-    dim=st.sampled_from([16, 48, 64, 80, 256]),
-    inter=st.sampled_from([16, 32, 96, 128]),
+    dim=st.sampled_from([1, 5, 16, 48, 64, 80, 256]),
+    inter=st.sampled_from([1, 3, 16, 32, 96, 128]),
     extra=st.sampled_from([0, 0, 7]),
     seed=st.integers(0, 2**16),
 )
 def test_grouped_expert_mlp_equals_each_tokens_expert(tokens, sources, experts, dim, inter, extra, seed):
     """Every token through its own expert, any routing (idle experts, one expert taking all, repeated rows), rows
-    of the source strided; column counts that leave tails of 1-3 vectors after the 4-vector tiles."""
+    of the source strided; widths that leave a partial last panel, expert token counts that leave row tails."""
     gen, rng = torch.Generator().manual_seed(seed), np.random.default_rng(seed)
     source = wide_slice(gen, sources, dim, extra)
     gate_up, down = randn(gen, experts, dim, 2 * inter, scale=0.1), randn(gen, experts, inter, dim, scale=0.1)
     rows = rng.integers(0, sources, tokens).astype(np.int64)
     local = rng.integers(0, experts, tokens).astype(np.int64)
-    assert cpu_kernels.grouped_expert_mlp_usable(source, gate_up, down)
-    got = cpu_kernels.grouped_expert_mlp(source, rows, local, gate_up, down)
+    got = cpu_kernels.grouped_expert_mlp(
+        source, rows, local, cpu_kernels.pack_panels(gate_up), cpu_kernels.pack_panels(down)
+    )
     assert rel_err(got, expert_mlp_reference(source, rows, local, gate_up, down)) <= 1e-5
 
 
@@ -399,7 +400,8 @@ def test_weighted_combine_rejects_bad_shapes_and_rows():
 
 def test_grouped_expert_mlp_rejects_bad_routing_and_shapes():
     gen = torch.Generator().manual_seed(11)
-    source, gate_up, down = randn(gen, 5, 32), randn(gen, 3, 32, 32), randn(gen, 3, 16, 32)
+    source = randn(gen, 5, 32)
+    gate_up, down = cpu_kernels.pack_panels(randn(gen, 3, 32, 32)), cpu_kernels.pack_panels(randn(gen, 3, 16, 32))
     rows, local = np.array([0, 4, 2]), np.array([2, 0, 1])
     with pytest.raises(ValueError, match=r"local expert 3 outside \[0, 3\)"):
         cpu_kernels.grouped_expert_mlp(source, rows, np.array([2, 3, 0]), gate_up, down)
@@ -408,11 +410,61 @@ def test_grouped_expert_mlp_rejects_bad_routing_and_shapes():
     with pytest.raises(ValueError, match="rows, local and y must have the same length"):
         cpu_kernels.grouped_expert_mlp(source, rows, local[:2], gate_up, down)
     with pytest.raises(ValueError, match=r"gate_up \[E, D, 2I\], down \[E, I, D\].* disagree"):
-        cpu_kernels.grouped_expert_mlp(source, rows, local, gate_up, randn(gen, 3, 24, 32))
-    odd_source, odd_gate_up, odd_down = randn(gen, 5, 24), randn(gen, 3, 24, 32), randn(gen, 3, 16, 24)
-    assert not cpu_kernels.grouped_expert_mlp_usable(odd_source, odd_gate_up, odd_down)  # decode_layers falls back
-    with pytest.raises(ValueError, match="multiples of 16"):
-        cpu_kernels.grouped_expert_mlp(odd_source, rows, local, odd_gate_up, odd_down)
+        cpu_kernels.grouped_expert_mlp(source, rows, local, gate_up, down[:2])
+    with pytest.raises(ValueError, match=r"gate_up: panels must be \[\d+, 24, \d+\] for a \[24, 32\] weight"):
+        cpu_kernels.grouped_expert_mlp(randn(gen, 5, 24), rows, local, gate_up, down)  # D = 24, panels of D = 32
+    with pytest.raises(ValueError, match="down: panels must be contiguous"):
+        cpu_kernels.grouped_expert_mlp(source, rows, local, gate_up, down.transpose(-1, -2).contiguous().mT)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    tokens=st.integers(0, 20),
+    k=st.integers(1, 300),
+    n=st.integers(1, 200),
+    with_base=st.sampled_from(["none", "apart", "in place"]),
+    extra=st.sampled_from([0, 0, 5]),
+    seed=st.integers(0, 2**16),
+)
+def test_linear_on_panels_equals_the_matrix_product(tokens, k, n, with_base, extra, seed):
+    """x @ W (+ base) for any widths (a partial last panel, rows that leave a short last row tile), x rows strided."""
+    gen = torch.Generator().manual_seed(seed)
+    x, w = wide_slice(gen, tokens, k, extra), randn(gen, k, n, scale=k**-0.5)
+    base = None if with_base == "none" else randn(gen, tokens, n)
+    want = x.double() @ w.double() + (0 if base is None else base.double())
+    if with_base == "in place":
+        out = base.clone()
+        cpu_kernels._k.linear_panels(x.numpy(), cpu_kernels.pack_panels(w).numpy(), n, out.numpy(), out.numpy())
+        got = out
+    else:
+        got = cpu_kernels.linear(x, cpu_kernels.pack_panels(w), n, base)
+    assert got.shape == (tokens, n)
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+
+
+@given(k=st.integers(1, 40), n=st.integers(1, 150), seed=st.integers(0, 2**16))
+@settings(max_examples=30, deadline=None)
+def test_pack_panels_lays_out_column_blocks(k, n, seed):
+    """Panel p holds columns [p W, (p + 1) W) of the weight, row by row; columns past n are zero."""
+    w = randn(torch.Generator().manual_seed(seed), 2, k, n)
+    width = cpu_kernels.panel_width()
+    panels = cpu_kernels.pack_panels(w)
+    assert panels.shape == (2, -(-n // width), k, width) and panels.is_contiguous()
+    for p in range(panels.shape[1]):
+        cols = min(width, n - p * width)
+        assert torch.equal(panels[:, p, :, :cols], w[:, :, p * width : p * width + cols])
+        assert not panels[:, p, :, cols:].any()
+
+
+def test_linear_on_panels_rejects_mismatched_shapes():
+    gen = torch.Generator().manual_seed(12)
+    x, panels = randn(gen, 3, 20), cpu_kernels.pack_panels(randn(gen, 20, 40))
+    with pytest.raises(ValueError, match=r"panels must be \[\d+, 21, \d+\] for a \[21, 40\] weight"):
+        cpu_kernels.linear(randn(gen, 3, 21), panels, 40)
+    with pytest.raises(ValueError, match=r"for a \[20, 400\] weight"):
+        cpu_kernels.linear(x, panels, 400)
+    with pytest.raises(ValueError, match=r"base must be \[3, 40\]"):
+        cpu_kernels.linear(x, panels, 40, base=randn(gen, 2, 40))
 
 
 def test_float64_inputs_are_refused():
