@@ -155,32 +155,43 @@ def panel_width() -> int | None:
     return None if _k is None else int(_k.panel_width)
 
 
-def pack_panels(w: torch.Tensor) -> torch.Tensor:
+def pack_panels(w: torch.Tensor) -> np.ndarray:
     """w [..., k, n] -> its panels [..., ceil(n / W), k, W] fp32 (W = panel_width(); columns past n are 0): the
-    layout the GEMM kernels read, each panel one contiguous block."""
+    layout the GEMM kernels read, each panel one contiguous block. A numpy array: only the kernels read it, and
+    they take it as it is (no conversion per call)."""
     width = panel_width()
     k, n = w.shape[-2:]
     panels = -(-n // width)
     padded = torch.nn.functional.pad(w.detach().float(), (0, panels * width - n))  # [..., k, P * W]
-    return padded.unflatten(-1, (panels, width)).transpose(-3, -2).contiguous()
+    return padded.unflatten(-1, (panels, width)).transpose(-3, -2).contiguous().numpy()
 
 
-def linear(x: torch.Tensor, panels: torch.Tensor, n: int, base: torch.Tensor | None = None) -> torch.Tensor:
+def linear(x: torch.Tensor, panels: np.ndarray, n: int, base: torch.Tensor | None = None) -> torch.Tensor:
     """x [T, k] @ W (+ base [T, n]) -> [T, n], W [k, n] given as pack_panels(W)."""
     out, o = _empty(x.shape[0], n)
-    _k.linear_panels(_np(x), _weight(panels), n, None if base is None else _np(base), o)
+    _k.linear_panels(_np(x), panels, n, None if base is None else _np(base), o)
+    return out
+
+
+def gated_mlp(
+    x: torch.Tensor, gate_up: np.ndarray, down: np.ndarray, inter: int, base: torch.Tensor | None = None
+) -> torch.Tensor:
+    """SwiGLU MLP: x [T, D] -> (silu(x @ W_gate) * (x @ W_up)) @ W_down (+ base [T, D]), gate_up [D, 2I] (gate | up)
+    and down [I, D] given as pack_panels."""
+    out, o = _empty(x.shape[0], x.shape[1])
+    _k.gated_mlp(_np(x), gate_up, down, inter, None if base is None else _np(base), o)
     return out
 
 
 def grouped_expert_mlp(
-    source: torch.Tensor, rows: np.ndarray, local: np.ndarray, gate_up_panels: torch.Tensor, down_panels: torch.Tensor
+    source: torch.Tensor, rows: np.ndarray, local: np.ndarray, gate_up_panels: np.ndarray, down_panels: np.ndarray
 ) -> torch.Tensor:
     """source [R, D], rows / local int64 [N], the experts' gate_up [E, D, 2I] and down [E, I, D] as pack_panels ->
     y [N, D]: row i is local expert local[i]'s SwiGLU MLP of source[rows[i]] (no padding; idle experts cost
     nothing)."""
     y, out = _empty(len(rows), source.shape[1])
     inter = down_panels.shape[-2]
-    _k.grouped_expert_mlp(_np(source), rows, local, _weight(gate_up_panels), _weight(down_panels), inter, out)
+    _k.grouped_expert_mlp(_np(source), rows, local, gate_up_panels, down_panels, inter, out)
     return y
 
 

@@ -38,7 +38,7 @@ _COMPLEX_ROPE_DTYPES = (torch.float32, torch.float64)
 # ---- prepared weights -----------------------------------------------------------------------------------------
 
 
-def _panels(w: torch.Tensor) -> torch.Tensor | None:
+def _panels(w: torch.Tensor) -> np.ndarray | None:
     """The panel-packed copy of an fp32 CPU weight [..., in, out] for the GEMM kernels (None where they do not
     run). It doubles these weights' memory: the [in, out] tensor stays for torch's GEMMs (prefill batches, the
     reference path, other dtypes and devices)."""
@@ -54,7 +54,7 @@ class Linear:
     cpu_kernels.cpp)."""
 
     weight: torch.Tensor  # [in, out]
-    panels: torch.Tensor | None  # cpu_kernels.pack_panels(weight)
+    panels: np.ndarray | None  # cpu_kernels.pack_panels(weight)
 
     @classmethod
     def of(cls, weight: torch.Tensor) -> Linear:
@@ -68,9 +68,13 @@ class Linear:
 
     def __call__(self, x: torch.Tensor, base: torch.Tensor | None = None) -> torch.Tensor:
         """x [T, in] -> x @ W [T, out] (+ base [T, out])."""
-        if self.panels is not None and x.shape[0] <= PANEL_MAX_ROWS and cpu_kernels.usable(x):
+        if self.takes(x):
             return cpu_kernels.linear(x, self.panels, self.weight.shape[1], base)
         return torch.mm(x, self.weight) if base is None else torch.addmm(base, x, self.weight)
+
+    def takes(self, x: torch.Tensor) -> bool:
+        """Whether x goes through the panel kernel (a decode batch on the fp32 CPU path)."""
+        return self.panels is not None and x.shape[0] <= PANEL_MAX_ROWS and cpu_kernels.usable(x)
 
 
 @dataclass
@@ -83,6 +87,12 @@ class GatedMLP:
     @classmethod
     def of(cls, mlp: MLPWeights) -> GatedMLP:
         return cls(Linear.of(torch.cat([mlp.gate_proj, mlp.up_proj]).T), Linear.of(mlp.down_proj.T))
+
+    def __call__(self, x: torch.Tensor, base: torch.Tensor | None = None) -> torch.Tensor:
+        """x [T, D] -> SwiGLU(x) [T, D] (+ base): one kernel call for a decode batch on the fp32 CPU path."""
+        if self.gate_up.takes(x):
+            return cpu_kernels.gated_mlp(x, self.gate_up.panels, self.down.panels, self.down.shape[0], base)
+        return self.down(swiglu(self.gate_up(x)), base=base)
 
 
 @dataclass
@@ -372,7 +382,7 @@ def ffn_input(w: DecodeLayerWeights, c: ModelConfig, h: torch.Tensor) -> torch.T
 
 def add_mlp(mlp: GatedMLP, x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
     """h [T, D] + SwiGLU(x [T, D])."""
-    return mlp.down(swiglu(mlp.gate_up(x)), base=h)
+    return mlp(x, base=h)
 
 
 def swiglu(gate_up: torch.Tensor) -> torch.Tensor:

@@ -414,7 +414,9 @@ def test_grouped_expert_mlp_rejects_bad_routing_and_shapes():
     with pytest.raises(ValueError, match=r"gate_up: panels must be \[\d+, 24, \d+\] for a \[24, 32\] weight"):
         cpu_kernels.grouped_expert_mlp(randn(gen, 5, 24), rows, local, gate_up, down)  # D = 24, panels of D = 32
     with pytest.raises(ValueError, match="down: panels must be contiguous"):
-        cpu_kernels.grouped_expert_mlp(source, rows, local, gate_up, down.transpose(-1, -2).contiguous().mT)
+        cpu_kernels.grouped_expert_mlp(
+            source, rows, local, gate_up, np.ascontiguousarray(down.swapaxes(-1, -2)).swapaxes(-1, -2)
+        )
 
 
 @settings(max_examples=60, deadline=None)
@@ -434,7 +436,7 @@ def test_linear_on_panels_equals_the_matrix_product(tokens, k, n, with_base, ext
     want = x.double() @ w.double() + (0 if base is None else base.double())
     if with_base == "in place":
         out = base.clone()
-        cpu_kernels._k.linear_panels(x.numpy(), cpu_kernels.pack_panels(w).numpy(), n, out.numpy(), out.numpy())
+        cpu_kernels._k.linear_panels(x.numpy(), cpu_kernels.pack_panels(w), n, out.numpy(), out.numpy())
         got = out
     else:
         got = cpu_kernels.linear(x, cpu_kernels.pack_panels(w), n, base)
@@ -449,11 +451,34 @@ def test_pack_panels_lays_out_column_blocks(k, n, seed):
     w = randn(torch.Generator().manual_seed(seed), 2, k, n)
     width = cpu_kernels.panel_width()
     panels = cpu_kernels.pack_panels(w)
-    assert panels.shape == (2, -(-n // width), k, width) and panels.is_contiguous()
+    assert panels.shape == (2, -(-n // width), k, width) and panels.flags.c_contiguous
     for p in range(panels.shape[1]):
         cols = min(width, n - p * width)
-        assert torch.equal(panels[:, p, :, :cols], w[:, :, p * width : p * width + cols])
+        assert np.array_equal(panels[:, p, :, :cols], w[:, :, p * width : p * width + cols].numpy())
         assert not panels[:, p, :, cols:].any()
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    tokens=st.integers(0, 20),
+    dim=st.integers(1, 100),
+    inter=st.integers(1, 90),
+    with_base=st.booleans(),
+    extra=st.sampled_from([0, 0, 5]),
+    seed=st.integers(0, 2**16),
+)
+def test_gated_mlp_equals_swiglu_reference(tokens, dim, inter, with_base, extra, seed):
+    """The fused SwiGLU MLP (both GEMMs on panels, the activation between them) against fp64 torch."""
+    gen = torch.Generator().manual_seed(seed)
+    x = wide_slice(gen, tokens, dim, extra)
+    gate_up, down = randn(gen, dim, 2 * inter, scale=dim**-0.5), randn(gen, inter, dim, scale=inter**-0.5)
+    base = randn(gen, tokens, dim) if with_base else None
+    got = cpu_kernels.gated_mlp(x, cpu_kernels.pack_panels(gate_up), cpu_kernels.pack_panels(down), inter, base)
+    h = x.double() @ gate_up.double()
+    want = (F.silu(h[:, :inter]) * h[:, inter:]) @ down.double() + (0 if base is None else base.double())
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match=r"gated_mlp: (gate_up|down): panels must be"):
+        cpu_kernels.gated_mlp(x, cpu_kernels.pack_panels(gate_up), cpu_kernels.pack_panels(down), inter + 1, base)
 
 
 def test_linear_on_panels_rejects_mismatched_shapes():

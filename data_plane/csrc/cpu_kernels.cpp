@@ -584,6 +584,41 @@ void linear_panels(F32<2> x, F32<3> panels, int64_t n, std::optional<F32<2>> bas
   gemm_panels(t, n, k, a.data(), panels.data(), base ? b.data() : nullptr, c.data());
 }
 
+// SwiGLU MLP of decode rows: out [T, D] = (silu(x @ W_gate) * (x @ W_up)) @ W_down (+ base [T, D]), x [T, D],
+// gate_up [D, 2I] (gate | up) and down [I, D] as panels. base may be out (in place).
+void gated_mlp(F32<2> x, F32<3> gate_up_panels, F32<3> down_panels, int64_t inter, std::optional<F32<2>> base,
+               F32<2> out) {
+  require_rows(x, "x");
+  require_rows(out, "out");
+  const int64_t t = x.shape(0), dim = x.shape(1);
+  REQUIRE(inter > 0, "gated_mlp: the intermediate size must be positive");
+  require_panels(gate_up_panels, dim, 2 * inter, "gated_mlp: gate_up");
+  require_panels(down_panels, inter, dim, "gated_mlp: down");
+  REQUIRE(out.shape(0) == x.shape(0) && out.shape(1) == x.shape(1), "gated_mlp: out must be " + shape_of(t, dim));
+  std::vector<float> hidden(t * 3 * inter);  // [T, 2I] gate | up, then [T, I] the activation
+  std::vector<const float*> a(t), b;
+  std::vector<float*> c(t);
+  for (int64_t r = 0; r < t; ++r) {
+    a[r] = x.data() + r * x.stride(0);
+    c[r] = hidden.data() + r * 2 * inter;
+  }
+  gemm_panels(t, 2 * inter, dim, a.data(), gate_up_panels.data(), nullptr, c.data());
+  float* act = hidden.data() + t * 2 * inter;
+  for (int64_t r = 0; r < t; ++r) {
+    silu_mul_row(c[r], act + r * inter, inter);
+    a[r] = act + r * inter;
+    c[r] = out.data() + r * out.stride(0);
+  }
+  if (base) {
+    require_rows(*base, "base");
+    REQUIRE(base->shape(0) == out.shape(0) && base->shape(1) == out.shape(1),
+            "gated_mlp: base must be " + shape_of(t, dim));
+    b.resize(t);
+    for (int64_t r = 0; r < t; ++r) b[r] = base->data() + r * base->stride(0);
+  }
+  gemm_panels(t, dim, inter, a.data(), down_panels.data(), base ? b.data() : nullptr, c.data());
+}
+
 // The routed experts of a decode batch without padding (the CPU counterpart of a grouped GEMM over a contiguous
 // layout): token i is source[rows[i]] through local expert local[i],
 //   y[i] = (silu(x @ gate_up[e][:, :I]) * (x @ gate_up[e][:, I:])) @ down[e].
@@ -881,6 +916,8 @@ NB_MODULE(_cpu_kernels, m) {
         nb::arg("cap"), array("source"), array("tags"), array("per_dst"), array("result_rows"));
   m.def("grouped_expert_mlp", &grouped_expert_mlp, array("source"), array("rows"), array("local"),
         array("gate_up_panels"), array("down_panels"), nb::arg("inter"), array("y"));
+  m.def("gated_mlp", &gated_mlp, array("x"), array("gate_up_panels"), array("down_panels"), nb::arg("inter"),
+        array("base").none(), array("out"));
   m.def("linear_panels", &linear_panels, array("x"), array("panels"), nb::arg("n"), array("base").none(),
         array("out"));
   m.def("mla_paged_attention", &mla_paged_attention, array("q"), array("kv_pages"), array("block_table"),
