@@ -173,6 +173,29 @@ def linear(x: torch.Tensor, panels: np.ndarray, n: int, base: torch.Tensor | Non
     return out
 
 
+def mla_project(
+    h: torch.Tensor,
+    input_norm: torch.Tensor,
+    eps: float,
+    qkv_a: np.ndarray,
+    q_norm: torch.Tensor | None,
+    kv_norm: torch.Tensor,
+    latent_eps: float,
+    rope_cs: np.ndarray,
+    q_b: np.ndarray,
+    heads: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """MLA's projection with the absorbed query in one call: h [T, D] -> q_latent [T, H, kv_lora + rope] (rope
+    rotated), kv_new [T, kv_lora + rope] (normed latent | rotated rope). qkv_a [D, q_lora + kv_lora + rope] and q_b
+    [q_in, H * (kv_lora + rope)] as pack_panels; rope_cs [T, rope / 2, 2]."""
+    t, width = h.shape[0], kv_norm.shape[0] + 2 * rope_cs.shape[1]
+    q_latent, q = _empty(t, heads, width)
+    kv_new, kv = _empty(t, width)
+    q_weight = _weight(q_norm) if q_norm is not None else np.empty(0, dtype=np.float32)
+    _k.mla_project(_np(h), _weight(input_norm), eps, qkv_a, q_weight, _weight(kv_norm), latent_eps, rope_cs, q_b, q, kv)
+    return q_latent, kv_new
+
+
 def gated_mlp(
     x: torch.Tensor, gate_up: np.ndarray, down: np.ndarray, inter: int, base: torch.Tensor | None = None
 ) -> torch.Tensor:

@@ -135,6 +135,10 @@ class DecodeLayerWeights:
     shared: GatedMLP | None
     experts: GroupedExperts | None  # this instance's routed experts, in local order
 
+    def __post_init__(self) -> None:
+        norms = (self.input_norm, self.attn.q_a_norm, self.attn.kv_a_norm)
+        self.fp32_norms = all(n is None or n.dtype == torch.float32 for n in norms)  # what the fused kernels read
+
 
 @dataclass
 class DecodeWeights:
@@ -338,6 +342,10 @@ def project(
     models.mla_decode_qkv)."""
     a, t = w.attn, h.shape[0]
     heads, lora, rope_dim = c.num_attention_heads, c.kv_lora_rank, c.qk_rope_head_dim
+    if a.w_uk is None and a.qkv_a.takes(h) and a.q_b.panels is not None and w.fp32_norms:  # one kernel call
+        eps, q_norm = c.rms_norm_eps, a.q_a_norm
+        args = (a.kv_a_norm, LATENT_NORM_EPS, rope.cos_sin, a.q_b.panels, heads)
+        return cpu_kernels.mla_project(h, w.input_norm, eps, a.qkv_a.panels, q_norm, *args)
     x = norm(h, w.input_norm, c.rms_norm_eps)
     qkv = a.qkv_a(x)  # [T, q_lora + kv_lora + rope]
     if a.w_uk is None and cpu_kernels.usable(qkv) and a.kv_a_norm.dtype == torch.float32:

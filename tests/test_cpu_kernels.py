@@ -481,6 +481,37 @@ def test_gated_mlp_equals_swiglu_reference(tokens, dim, inter, with_base, extra,
         cpu_kernels.gated_mlp(x, cpu_kernels.pack_panels(gate_up), cpu_kernels.pack_panels(down), inter + 1, base)
 
 
+@settings(max_examples=30, deadline=None)
+@given(
+    tokens=st.integers(0, 13),
+    dim=st.integers(1, 70),
+    q_lora=st.sampled_from([0, 1, 24]),
+    lora=st.integers(1, 40),
+    half=st.sampled_from(ROPE_HALVES[:4]),
+    heads=st.integers(1, 5),
+    extra=st.sampled_from([0, 0, 3]),
+    seed=st.integers(0, 2**16),
+)
+def test_mla_project_equals_its_steps_one_by_one(tokens, dim, q_lora, lora, half, heads, extra, seed):
+    """The fused projection computes exactly what its steps' kernels compute one call at a time (bit for bit):
+    norm, the qkv_a GEMM, the latent norms and rope, the q_b GEMM, the heads' rope."""
+    gen = torch.Generator().manual_seed(seed)
+    width, qkv_width = lora + 2 * half, q_lora + lora + 2 * half
+    h, input_norm = wide_slice(gen, tokens, dim, extra), randn(gen, dim)
+    qkv_a, q_b = randn(gen, dim, qkv_width, scale=0.2), randn(gen, q_lora or dim, heads * width, scale=0.2)
+    q_norm, kv_norm = (randn(gen, q_lora) if q_lora else None), randn(gen, lora)
+    cs = rope_table(half, torch.arange(tokens) + 3).cos_sin
+    qkv_p, q_b_p = cpu_kernels.pack_panels(qkv_a), cpu_kernels.pack_panels(q_b)
+    q, kv = cpu_kernels.mla_project(h, input_norm, 1e-5, qkv_p, q_norm, kv_norm, 1e-6, cs, q_b_p, heads)
+    x = cpu_kernels.rms_norm(h, input_norm, 1e-5)
+    q_in, kv_want = cpu_kernels.mla_qkv_post(cpu_kernels.linear(x, qkv_p, qkv_width), q_norm, kv_norm, 1e-6, cs)
+    q_want = cpu_kernels.linear(x if q_in is None else q_in, q_b_p, heads * width).view(tokens, heads, width)
+    cpu_kernels.rope_heads_(q_want, lora, cs)
+    assert torch.equal(q, q_want) and torch.equal(kv, kv_want)
+    with pytest.raises(ValueError, match="mla_project: q_b: panels must be"):
+        cpu_kernels.mla_project(h, input_norm, 1e-5, qkv_p, q_norm, kv_norm, 1e-6, cs, q_b_p, heads + 64)
+
+
 def test_linear_on_panels_rejects_mismatched_shapes():
     gen = torch.Generator().manual_seed(12)
     x, panels = randn(gen, 3, 20), cpu_kernels.pack_panels(randn(gen, 20, 40))

@@ -619,6 +619,61 @@ void gated_mlp(F32<2> x, F32<3> gate_up_panels, F32<3> down_panels, int64_t inte
   gemm_panels(t, dim, inter, a.data(), down_panels.data(), base ? b.data() : nullptr, c.data());
 }
 
+// MLA's projection of decode rows with the absorbed query (decode_layers.project's steps in one pass), h [T, D] ->
+//   x = RMSNorm(h, input_norm); qkv = x @ W_qkv_a [T, q_lora + lora + rope];
+//   kv_out [T, lora + rope] = [RMSNorm(qkv latent, kv_norm) | rotated qkv rope dims];
+//   q_out [T, H, lora + rope] = RMSNorm(qkv[:, :q_lora], q_norm) @ W_q_b (x @ W_q_b without q_lora), each head's
+//   rope dims (pair order) rotated, de-interleaved.
+// W_qkv_a and W_q_b as panels; rope_cs [T, rope / 2, 2] (cos, sin); eps for input_norm, latent_eps for the latent
+// norms. q_norm may be empty (no q_lora).
+void mla_project(F32<2> h, F32<1> input_norm, float eps, F32<3> qkv_a_panels, F32<1> q_norm, F32<1> kv_norm,
+                 float latent_eps, F32<3> rope_cs, F32<3> q_b_panels, F32<3> q_out, F32<2> kv_out) {
+  require_rows(h, "h");
+  require_rows(kv_out, "kv_out");
+  const int64_t t = h.shape(0), dim = h.shape(1), q_lora = q_norm.shape(0), lora = kv_norm.shape(0);
+  const int64_t half = rope_cs.shape(1), rope = 2 * half, heads = q_out.shape(1), width = lora + rope;
+  const int64_t qkv_width = q_lora + lora + rope, q_in = q_lora ? q_lora : dim;
+  REQUIRE(static_cast<int64_t>(input_norm.shape(0)) == dim, "mla_project: input_norm must be [" +
+                                                                  std::to_string(dim) + "]");
+  require_panels(qkv_a_panels, dim, qkv_width, "mla_project: qkv_a");
+  require_panels(q_b_panels, q_in, heads * width, "mla_project: q_b");
+  REQUIRE(static_cast<int64_t>(rope_cs.shape(0)) == t && rope_cs.shape(2) == 2 && half <= 128 &&
+              (t == 0 || (rope_cs.stride(2) == 1 && rope_cs.stride(1) == 2)),
+          "mla_project: rope_cs must be contiguous [T, rope / 2, 2] with rope <= 256");
+  REQUIRE(static_cast<int64_t>(q_out.shape(0)) == t && static_cast<int64_t>(q_out.shape(2)) == width &&
+              (t == 0 || heads <= 1 || q_out.stride(1) == width) && (t == 0 || q_out.stride(2) == 1),
+          "mla_project: q_out must be [T, H, kv_lora + rope] with contiguous rows");
+  REQUIRE(static_cast<int64_t>(kv_out.shape(0)) == t && static_cast<int64_t>(kv_out.shape(1)) == width,
+          "mla_project: kv_out must be " + shape_of(t, width));
+  std::vector<float> x(t * dim), qkv(t * qkv_width), q_lat(q_lora ? t * q_lora : 0);
+  std::vector<const float*> a(t);
+  std::vector<float*> c(t);
+  for (int64_t r = 0; r < t; ++r) {
+    rms_norm_row(h.data() + r * h.stride(0), input_norm.data(), eps, x.data() + r * dim, dim);
+    a[r] = x.data() + r * dim;
+    c[r] = qkv.data() + r * qkv_width;
+  }
+  gemm_panels(t, qkv_width, dim, a.data(), qkv_a_panels.data(), nullptr, c.data());
+  for (int64_t r = 0; r < t; ++r) {
+    const float* row = qkv.data() + r * qkv_width;
+    const float* cs = rope_cs.data() + r * rope_cs.stride(0);
+    if (q_lora) {
+      rms_norm_row(row, q_norm.data(), latent_eps, q_lat.data() + r * q_lora, q_lora);
+      a[r] = q_lat.data() + r * q_lora;
+    }
+    float* kv = kv_out.data() + r * kv_out.stride(0);
+    rms_norm_row(row + q_lora, kv_norm.data(), latent_eps, kv, lora);
+    rotate_row(row + q_lora + lora, cs, kv + lora, half);
+    c[r] = q_out.data() + r * q_out.stride(0);
+  }
+  gemm_panels(t, heads * width, q_in, a.data(), q_b_panels.data(), nullptr, c.data());
+  for (int64_t r = 0; r < t; ++r)
+    for (int64_t hd = 0; hd < heads; ++hd) {
+      float* q = c[r] + hd * width + lora;
+      rotate_row(q, rope_cs.data() + r * rope_cs.stride(0), q, half);
+    }
+}
+
 // The routed experts of a decode batch without padding (the CPU counterpart of a grouped GEMM over a contiguous
 // layout): token i is source[rows[i]] through local expert local[i],
 //   y[i] = (silu(x @ gate_up[e][:, :I]) * (x @ gate_up[e][:, I:])) @ down[e].
@@ -916,6 +971,9 @@ NB_MODULE(_cpu_kernels, m) {
         nb::arg("cap"), array("source"), array("tags"), array("per_dst"), array("result_rows"));
   m.def("grouped_expert_mlp", &grouped_expert_mlp, array("source"), array("rows"), array("local"),
         array("gate_up_panels"), array("down_panels"), nb::arg("inter"), array("y"));
+  m.def("mla_project", &mla_project, array("h"), array("input_norm"), nb::arg("eps"), array("qkv_a_panels"),
+        array("q_norm"), array("kv_norm"), nb::arg("latent_eps"), array("rope_cs"), array("q_b_panels"),
+        array("q_out"), array("kv_out"));
   m.def("gated_mlp", &gated_mlp, array("x"), array("gate_up_panels"), array("down_panels"), nb::arg("inter"),
         array("base").none(), array("out"));
   m.def("linear_panels", &linear_panels, array("x"), array("panels"), nb::arg("n"), array("base").none(),
