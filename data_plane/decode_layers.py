@@ -290,7 +290,12 @@ class RopeCache:
     def __init__(self, rope: RotaryEmbedding, limit: int) -> None:
         self.rope = rope
         self.limit = limit
-        self.freqs = RopeTable.at(rope, torch.zeros(0, dtype=torch.int64)).freqs  # [positions, half]
+        self._grow(0)
+
+    def _grow(self, size: int) -> None:
+        table = RopeTable.at(self.rope, torch.arange(size))
+        self.freqs = table.freqs  # [positions, half]
+        self.cos_sin = table.cos_sin  # [positions, half, 2]: the kernels' rows, looked up without a conversion
 
     def at(self, positions: np.ndarray) -> RopeTable:
         """positions [T] int64 -> their RopeTable."""
@@ -298,9 +303,10 @@ class RopeCache:
         if top > self.limit:
             return RopeTable.at(self.rope, torch.from_numpy(positions))
         if top > len(self.freqs):
-            size = min(self.limit, max(top, 2 * len(self.freqs), 1024))
-            self.freqs = RopeTable.at(self.rope, torch.arange(size)).freqs
-        return RopeTable(self.freqs[torch.from_numpy(positions)])
+            self._grow(min(self.limit, max(top, 2 * len(self.freqs), 1024)))
+        table = RopeTable(self.freqs[torch.from_numpy(positions)])
+        table._cos_sin = self.cos_sin[positions]
+        return table
 
 
 def norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
