@@ -158,6 +158,14 @@ class Fabric(ABC):
         self.spec(name)
         return self._local_buffer(self._index[name])
 
+    def peer_buffer(self, dst: int, name: str) -> torch.Tensor | None:
+        """dst's buffer `name` mapped into this process, to be written in place (a load/store fabric: shared memory,
+        or threads of one process), or None where rows travel only by `put`. Writes into it are published by a
+        later `signal` to dst, exactly like a put's rows; this rank's own buffer is `buffer(name)`."""
+        self._check_open()
+        self.spec(name)
+        return self._peer_buffer(self._check_rank(dst, "dst"), self._index[name])
+
     def spec(self, name: str) -> BufferSpec:
         if name not in self._specs:
             raise KeyError(f"buffer '{name}' is not registered (known: {sorted(self._specs)})")
@@ -280,6 +288,10 @@ class Fabric(ABC):
     @abstractmethod
     def _put(self, dst: int, index: int, spec: BufferSpec, row_offset: int, rows: torch.Tensor) -> None: ...
 
+    def _peer_buffer(self, dst: int, index: int) -> torch.Tensor | None:
+        """dst's buffer mapped here; None by default (a transport that only puts)."""
+        return None
+
     @abstractmethod
     def _signal(self, dst: int, flag: int, value: int) -> None: ...
 
@@ -334,6 +346,9 @@ class InProcessFabric(Fabric):
         if target is None:
             raise FabricError(f"rank {dst} has not registered buffer '{spec.name}'")
         target[row_offset : row_offset + rows.shape[0]].copy_(rows)
+
+    def _peer_buffer(self, dst: int, index: int) -> torch.Tensor | None:
+        return self._states[dst].buffers.get(index)
 
     def _signal(self, dst: int, flag: int, value: int) -> None:
         state = self._states[dst]

@@ -137,6 +137,9 @@ class ShmFabric(Fabric):
             raise FabricError(f"rank {self.rank}: buffer '{spec.name}' of rank {dst} is not mapped")
         target[row_offset : row_offset + rows.shape[0]].copy_(rows)
 
+    def _peer_buffer(self, dst: int, index: int) -> torch.Tensor | None:
+        return self._buffers[index][dst]
+
     def _signal(self, dst: int, flag: int, value: int) -> None:
         self._flag_views[dst][flag] = value
 

@@ -124,6 +124,12 @@ class PackedDispatcher:
         self._peers = [r for r in range(ranks) if r != fabric.rank]
         self._empty_header = torch.zeros(1, self.row, dtype=dtype, device=fabric.buffer(self._names["y"]).device)
         self._seq = 0
+        # Every rank's `x` and `y` buffer where this process can write it in place (its own always; peers' on a
+        # load/store fabric: comm.Fabric.peer_buffer), else None: those rows go by put.
+        self._targets = {
+            k: [fabric.buffer(n) if d == fabric.rank else fabric.peer_buffer(d, n) for d in range(ranks)]
+            for k, n in self._names.items()
+        }
 
     @property
     def recv_x(self) -> torch.Tensor:
@@ -159,12 +165,12 @@ class PackedDispatcher:
         n, source, tags, per_dst, result_rows = layout
         row = rank * (self.cap + 1)
         payload, first = None, 0
+        targets = self._targets["x"]
         for d, count in enumerate(per_dst.tolist()):
             block = slice(first, first + 1 + count)
             first += 1 + count
-            if fused and d == rank:  # this rank's own block is packed straight into its receive buffer
-                own = self.fabric.buffer(self._names["x"])[row : row + 1 + count]
-                cpu_kernels.pack_dispatch_rows(x, source[block], tags[block], own)
+            if fused and targets[d] is not None:  # packed straight into the receive buffer (own or mapped peer)
+                cpu_kernels.pack_dispatch_rows(x, source[block], tags[block], targets[d][row : row + 1 + count])
                 continue
             if payload is None:
                 payload = self._payload(x, source, tags, fused)
@@ -246,9 +252,11 @@ class PackedDispatcher:
 
     # ---- transport ----------------------------------------------------------------------------------------
     def _put(self, dst: int, buffer: str, row: int, rows: torch.Tensor) -> None:
-        """rows into dst's buffer at `row`: a plain copy into this rank's own buffer, a fabric put otherwise."""
-        if dst == self.fabric.rank:
-            self.fabric.buffer(self._names[buffer])[row : row + rows.shape[0]].copy_(rows)
+        """rows into dst's buffer at `row`: a plain copy where this process can write the buffer in place (its own,
+        a mapped peer's), a fabric put otherwise."""
+        target = self._targets[buffer][dst]
+        if target is not None:
+            target[row : row + rows.shape[0]].copy_(rows)
         else:
             self.fabric.put(dst, self._names[buffer], row, rows)
 

@@ -172,6 +172,36 @@ def test_shm_close_unlinks_every_segment_and_cleanup_sweeps_crashes():
 
 
 # ---- multi-process backends -----------------------------------------------------------------------------
+def peer_ring(fabric, rounds: int = 3) -> None:
+    """The ring exchange written in place into the next rank's mapped buffer (peer_buffer), published by signal."""
+    world, rank = fabric.world_size, fabric.rank
+    buf = fabric.register("peer", (2 * world, *ROW), torch.float32)
+    flag = fabric.reserve_flags(1)
+    nxt, prv = (rank + 1) % world, (rank - 1) % world
+    target = fabric.peer_buffer(nxt, "peer")
+    assert (target is buf) == (nxt == rank)  # its own buffer is the one it registered
+    for seq in range(1, rounds + 1):
+        target[2 * rank : 2 * rank + 2] = rows_from(rank, 2) * seq
+        fabric.signal(nxt, flag, seq)
+        fabric.wait(flag, seq, timeout_s=10)
+        got = buf[2 * prv : 2 * prv + 2].clone()
+        fabric.barrier(10)
+        assert torch.equal(got, rows_from(prv, 2) * seq)
+
+
+@pytest.mark.parametrize("backend", ["inprocess", "shm"])
+@pytest.mark.parametrize("world", [1, 3])
+def test_writes_into_a_mapped_peer_buffer_arrive_with_the_signal(backend, world):
+    fabrics = make_fabrics(backend, world)
+    run_threads(lambda r: peer_ring(fabrics[r]), world, timeout_s=30)
+    with pytest.raises(KeyError, match="not registered"):
+        fabrics[0].peer_buffer(0, "nope")
+    with pytest.raises(ValueError, match="out of range"):
+        fabrics[0].peer_buffer(world, "peer")
+    for f in fabrics:
+        f.close()
+
+
 def _process_scenario(fabric) -> dict:
     """Runs in each process: ring exchange, ordering stress, timeouts, routing, dispatch/combine."""
     world, rank = fabric.world_size, fabric.rank
@@ -212,7 +242,9 @@ def _process_scenario(fabric) -> dict:
     for k in range(idx.shape[1]):
         ref += w[:, k, None] * (x * (idx[:, k, None].float() + 1))
     fabric.barrier(20)
+    peer = fabric.peer_buffer((rank + 1) % world, "stress")  # mapped across processes only by shared memory
     return {
+        "peer_mapped": peer is not None and peer.shape == stress.shape,
         "ordered": ok,
         "timed_out": timed_out,
         "routed": torch.equal(recv, expect),
@@ -256,13 +288,15 @@ def test_shm_fabric_across_processes_leaves_no_segment():
         leftovers = ShmFabric.segments(info)
         ShmFabric.cleanup(info)
     assert leftovers == []
-    assert results == [{"ordered": True, "timed_out": True, "routed": True, "combine": True}] * len(results)
+    expected = {"peer_mapped": True, "ordered": True, "timed_out": True, "routed": True, "combine": True}
+    assert results == [expected] * len(results)
 
 
 def test_torch_distributed_fabric_across_processes():
     results = run_processes(dist_worker, 3, timeout_s=180, torch_distributed=True)
     assert results[1].pop("mismatch_reported") is True
-    assert results == [{"ordered": True, "timed_out": True, "routed": True, "combine": True}] * len(results)
+    expected = {"peer_mapped": False, "ordered": True, "timed_out": True, "routed": True, "combine": True}
+    assert results == [expected] * len(results)
 
 
 def test_torch_dist_fabric_needs_initialised_group():
