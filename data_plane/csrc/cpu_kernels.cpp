@@ -559,6 +559,17 @@ void require_panels(const A& panels, int64_t k, int64_t n, const char* what) {
           std::string(what) + ": panels must be contiguous");
 }
 
+// The rows of an optional residual `base` shaped like out (empty without one).
+std::vector<const float*> base_rows(const std::optional<F32<2>>& base, const F32<2>& out, const char* what) {
+  std::vector<const float*> rows;
+  if (!base) return rows;
+  require_rows(*base, "base");
+  REQUIRE(base->shape(0) == out.shape(0) && base->shape(1) == out.shape(1),
+          std::string(what) + ": base must be " + shape_of(out.shape(0), out.shape(1)));
+  for (size_t r = 0; r < base->shape(0); ++r) rows.push_back(base->data() + r * base->stride(0));
+  return rows;
+}
+
 // out [T, n] = x [T, k] @ W (+ base [T, n]), W [k, n] given as its panels [ceil(n / kPanel), k, kPanel].
 // base may be out (in place).
 void linear_panels(F32<2> x, F32<3> panels, int64_t n, std::optional<F32<2>> base, F32<2> out) {
@@ -568,19 +579,13 @@ void linear_panels(F32<2> x, F32<3> panels, int64_t n, std::optional<F32<2>> bas
   require_panels(panels, k, n, "linear_panels");
   REQUIRE(static_cast<int64_t>(out.shape(0)) == t && static_cast<int64_t>(out.shape(1)) == n,
           "linear_panels: out must be " + shape_of(t, n));
-  std::vector<const float*> a(t), b;
+  std::vector<const float*> a(t);
   std::vector<float*> c(t);
   for (int64_t r = 0; r < t; ++r) {
     a[r] = x.data() + r * x.stride(0);
     c[r] = out.data() + r * out.stride(0);
   }
-  if (base) {
-    require_rows(*base, "base");
-    REQUIRE(base->shape(0) == out.shape(0) && base->shape(1) == out.shape(1),
-            "linear_panels: base must be " + shape_of(t, n));
-    b.resize(t);
-    for (int64_t r = 0; r < t; ++r) b[r] = base->data() + r * base->stride(0);
-  }
+  const std::vector<const float*> b = base_rows(base, out, "linear_panels");
   gemm_panels(t, n, k, a.data(), panels.data(), base ? b.data() : nullptr, c.data());
 }
 
@@ -596,7 +601,7 @@ void gated_mlp(F32<2> x, F32<3> gate_up_panels, F32<3> down_panels, int64_t inte
   require_panels(down_panels, inter, dim, "gated_mlp: down");
   REQUIRE(out.shape(0) == x.shape(0) && out.shape(1) == x.shape(1), "gated_mlp: out must be " + shape_of(t, dim));
   std::vector<float> hidden(t * 3 * inter);  // [T, 2I] gate | up, then [T, I] the activation
-  std::vector<const float*> a(t), b;
+  std::vector<const float*> a(t);
   std::vector<float*> c(t);
   for (int64_t r = 0; r < t; ++r) {
     a[r] = x.data() + r * x.stride(0);
@@ -609,13 +614,7 @@ void gated_mlp(F32<2> x, F32<3> gate_up_panels, F32<3> down_panels, int64_t inte
     a[r] = act + r * inter;
     c[r] = out.data() + r * out.stride(0);
   }
-  if (base) {
-    require_rows(*base, "base");
-    REQUIRE(base->shape(0) == out.shape(0) && base->shape(1) == out.shape(1),
-            "gated_mlp: base must be " + shape_of(t, dim));
-    b.resize(t);
-    for (int64_t r = 0; r < t; ++r) b[r] = base->data() + r * base->stride(0);
-  }
+  const std::vector<const float*> b = base_rows(base, out, "gated_mlp");
   gemm_panels(t, dim, inter, a.data(), down_panels.data(), base ? b.data() : nullptr, c.data());
 }
 
