@@ -155,6 +155,7 @@ def main(argv: list[str] | None = None) -> dict:
         "",
         "Command: `python -m nanocp.bench.bench_cpu_kernels`. Measured on this machine, not a model output; each "
         f"row is the median of {args.repeats} runs per path, the paths alternating run by run in one process.",
+        "",
         describe(result["machine"]),
         "",
         "- decode step: `LLM.generate`, 1 instance (inline), greedy, ms per decode step;",
