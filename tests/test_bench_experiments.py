@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from shared_traces import needs_traces
 
 from nanocp.bench import experiments as ex
 from nanocp.bench import simulator as sim_mod
@@ -107,6 +108,7 @@ def test_micro_full_size_reproduces_the_papers_ordering():
 # ------------------------------------------------------------------------------------------------ workloads, search
 
 
+@needs_traces
 def test_workload_pool_is_one_workload_at_every_rate():
     pool = ex.WorkloadPool("sharegpt4", seed=1)
     slow, fast = pool.at(50.0, 100.0), pool.at(100.0, 100.0)  # the fast one needs a second chunk
@@ -143,6 +145,7 @@ def test_search_capacity_rejects_bad_arguments():
 # ------------------------------------------------------------------------------------------------ capacity, balance
 
 
+@needs_traces
 def test_capacity_toy_schema(tmp_path):
     cfg = ex.CapacityConfig(
         TOY, workloads=("sharegpt4",), window_s={"sharegpt4": 2.0}, guess_rps={"sharegpt4": 8.0}, max_runs=3
@@ -164,6 +167,7 @@ def test_capacity_toy_schema(tmp_path):
     assert "model outputs" in (tmp_path / "sim_capacity.md").read_text().lower()
 
 
+@needs_traces
 def test_balance_toy_schema_and_summary(tmp_path):
     cfg = ex.BalanceConfig(
         TOY, "mix:0.02", low_rps=3.0, high_rps=12.0, window_s=2.0, policies=("nanocp", "least-cache")
@@ -196,6 +200,7 @@ def test_summary_needs_results(tmp_path):
         ex.write_summary(tmp_path)
 
 
+@needs_traces
 def test_fail_fast_stops_an_overloaded_run():
     reqs = ex.WorkloadPool("sharegpt4", seed=0).at(400.0, 2.0)
     profile = TOY.load_profile()

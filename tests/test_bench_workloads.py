@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from shared_traces import needs_traces
 
 from nanocp.bench.workloads import (
     GITHUB_ISSUE_INPUT_KNOTS,
@@ -31,13 +32,8 @@ from nanocp.bench.workloads import (
     scale_arrivals,
     sharegpt4_lengths,
     synthetic_workload,
-    traces_dir,
     truncate_to_duration,
 )
-
-HAVE_TRACES = (traces_dir() / "sharegpt4_short.csv").is_file()
-needs_traces = pytest.mark.skipif(not HAVE_TRACES, reason="shared traces not present")
-
 
 # ------------------------------------------------------------------------------------------------ arrivals
 

@@ -10,6 +10,7 @@ import random
 
 import numpy as np
 import pytest
+from shared_traces import needs_traces
 
 from nanocp.bench.serve_client import (
     BenchError,
@@ -49,6 +50,7 @@ def server_url():
 # ---- workloads -----------------------------------------------------------------------------------------------
 
 
+@needs_traces
 def test_azure_trace_lengths_are_scaled_and_capped_in_trace_order():
     with (traces_dir() / "azure_llm_2023_conv.csv").open(newline="") as f:
         rows = list(csv.DictReader(f))[:20]
@@ -61,6 +63,7 @@ def test_azure_trace_lengths_are_scaled_and_capped_in_trace_order():
         assert len(req.prompt) == req.prompt_len and req.prompt.isascii()
 
 
+@needs_traces
 def test_mooncake_and_sharegpt_workloads_respect_the_caps():
     with (traces_dir() / "mooncake_conversation.jsonl").open() as f:
         first = [json.loads(next(f)) for _ in range(5)]
@@ -145,6 +148,7 @@ def test_short_run_against_the_served_model_is_complete(server_url):
     assert doc["config"]["model"] == "tiny" and json.loads(json.dumps(doc)) == doc
 
 
+@needs_traces
 def test_cli_writes_json_and_markdown(server_url, tmp_path):
     out, md = tmp_path / "r.json", tmp_path / "r.md"
     argv = ["bench", "serve", "--base-url", server_url, "--dataset", "sharegpt4", "--num-prompts", "4"]
