@@ -153,3 +153,16 @@ def test_cpu_attention_backend_equals_the_reference(shards, page, seed):
 def test_cpu_attention_backend_rejects_lengths_past_its_pages():
     with pytest.raises(ValueError, match="shard lengths"):
         CpuPagedAttention().plan(torch.zeros(2, 1, dtype=torch.int32), torch.tensor([3, 9]), 4, torch.float32)
+
+
+@pytest.mark.parametrize("rows", [1, dl.PANEL_MAX_ROWS, dl.PANEL_MAX_ROWS + 1])
+def test_linear_takes_the_panel_kernel_for_decode_batches_and_equals_the_matrix_product(rows, cpu_kernel_path):
+    """x @ W (+ base) through the panel kernel up to PANEL_MAX_ROWS rows on the kernel path, through torch's GEMM
+    above it and on the torch path: the same product either way (fp32 rounding)."""
+    gen = torch.Generator().manual_seed(rows)
+    linear = dl.Linear.of(torch.randn(48, 37, generator=gen).T)  # [in 37, out 48], made contiguous
+    x, base = torch.randn(rows, 37, generator=gen), torch.randn(rows, 48, generator=gen)
+    assert linear.takes(x) == (cpu_kernel_path == "cpu-kernels" and rows <= dl.PANEL_MAX_ROWS)
+    want = x.double() @ linear.weight.double()
+    assert rel_err(linear(x).double(), want) < 1e-5
+    assert rel_err(linear(x, base=base).double(), want + base.double()) < 1e-5

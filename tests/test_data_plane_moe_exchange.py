@@ -24,10 +24,17 @@ from nanocp.data_plane import cpu_kernels
 from nanocp.data_plane.moe_exchange import PackedDispatcher, packed_layout
 
 
-def run_packed(world, xs, idxs, ws, num_experts, max_tokens, top_k, layers=1):
+class PutOnlyFabric(InProcessFabric):
+    """An in-process fabric that maps no peer buffer: rows travel by put, as over torch.distributed."""
+
+    def _peer_buffer(self, dst: int, index: int) -> torch.Tensor | None:
+        return None
+
+
+def run_packed(world, xs, idxs, ws, num_experts, max_tokens, top_k, layers=1, fabric_cls=InProcessFabric):
     """Every rank dispatches, applies its experts to what it received, combines; `layers` rounds on the same
     buffers. Returns per rank a list of (received tokens [N, D], their global experts [N], source counts, out)."""
-    fabrics = InProcessFabric.create(world, num_flags=16)
+    fabrics = fabric_cls.create(world, num_flags=16)
     hidden = xs[0].shape[1]
 
     def rank_main(rank: int):
@@ -81,6 +88,20 @@ def test_packed_exchange_delivers_the_routing_and_combines_the_reference_combine
             assert torch.equal(got, torch.stack(want_rows) if want_rows else got.new_zeros(0, hidden))
             want = reference_combine(xs[rank] * (layer + 1), idxs[rank], ws[rank])
             torch.testing.assert_close(out, want, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_packed_exchange_by_put_equals_writing_in_place(world, cpu_kernel_path):
+    """Peers' buffers written in place (Fabric.peer_buffer) or reached by put: the same bytes arrive."""
+    gen = torch.Generator().manual_seed(world)
+    tokens = [int(torch.randint(1, 7, (1,), generator=gen)) for _ in range(world)]
+    xs, idxs, ws = random_routing(tokens, 8, 2, 2 * world, gen, 0.2)
+    in_place = run_packed(world, xs, idxs, ws, 2 * world, 6, 2, layers=2)
+    by_put = run_packed(world, xs, idxs, ws, 2 * world, 6, 2, layers=2, fabric_cls=PutOnlyFabric)
+    for a, b in zip(in_place, by_put):
+        for (tok_a, exp_a, cnt_a, out_a), (tok_b, exp_b, cnt_b, out_b) in zip(a, b):
+            assert cnt_a == cnt_b and torch.equal(exp_a, exp_b)
+            assert torch.equal(tok_a, tok_b) and torch.equal(out_a, out_b)
 
 
 @exchange_settings
