@@ -44,6 +44,7 @@ def machine_info() -> dict[str, Any]:
 def describe(machine: dict[str, Any]) -> str:
     """One markdown line naming the machine of a result."""
     lanes = machine.get("cpu_kernel_vector_lanes")
-    width = {16: "AVX-512", 8: "AVX2"}.get(lanes, f"{lanes} lanes") if lanes else "not built"
+    names = {16: "AVX-512", 8: "AVX2", 4: "SSE (a portable build)"}
+    width = names.get(lanes, f"{lanes} lanes") if lanes else "not built"
     cpu, cpus, torch = machine["cpu"], machine["cpus"], machine["torch"]
     return f"Machine: {cpu}, {cpus} CPUs; CPU kernels built for {width}; torch {torch}."

@@ -37,7 +37,8 @@ def unavailable_reason() -> str | None:
 
 
 def vector_lanes() -> int | None:
-    """fp32 lanes of the vector registers the extension was built for (16: AVX-512, 8: AVX2); None without it."""
+    """fp32 lanes of the vector registers the extension was built for (16: AVX-512, 8: AVX2, 4: SSE in a portable
+    build); None without it."""
     return None if _k is None else int(_k.vector_lanes)
 
 

@@ -50,13 +50,16 @@ void require_rows(const A& a, const char* name) {
 
 std::string shape_of(size_t a, size_t b) { return "[" + std::to_string(a) + ", " + std::to_string(b) + "]"; }
 
-// One vector register of fp32 lanes: 16 with AVX-512, else 8 (AVX2; narrower units split it). The reductions below
-// use them explicitly, because without -ffast-math the compiler keeps a float sum in order and does not vectorize it.
-// The register tiles further down are sized by kLanes: 32 vector registers with AVX-512, 16 without.
+// One vector register of fp32 lanes: 16 with AVX-512, 8 with AVX, else 4 (SSE, NEON: a build without
+// -march=native). The reductions below use them explicitly, because without -ffast-math the compiler keeps a float
+// sum in order and does not vectorize it. The register tiles further down are sized by kLanes: 32 vector registers
+// with AVX-512, 16 otherwise.
 #if defined(__AVX512F__)
 #define NANOCP_LANES 16
-#else
+#elif defined(__AVX__)
 #define NANOCP_LANES 8
+#else
+#define NANOCP_LANES 4
 #endif
 constexpr int64_t kLanes = NANOCP_LANES;
 typedef float Lanes __attribute__((vector_size(kLanes * sizeof(float))));
@@ -957,6 +960,11 @@ void mla_paged_attention(F32<3> q, F32<3> kv_pages, I32<2> block_table, I64<1> l
 NB_MODULE(_cpu_kernels, m) {
   m.doc() = "nanocp fused fp32 CPU kernels of the eager decode path (tests compare each with its torch reference)";
   m.attr("vector_lanes") = kLanes;
+#if defined(NANOCP_MARCH_NATIVE)
+  m.attr("native_build") = true;
+#else
+  m.attr("native_build") = false;
+#endif
   m.attr("panel_width") = kPanel;
   auto array = [](const char* name) { return nb::arg(name).noconvert(); };
   m.def("rms_norm", &rms_norm, array("x"), array("weight"), nb::arg("eps"), array("out"));
