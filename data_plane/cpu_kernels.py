@@ -1,9 +1,10 @@
 """Fused fp32 CPU kernels of the eager decode path (C++: data_plane/csrc/cpu_kernels.cpp), as torch functions.
 
-Each kernel replaces a run of small torch ops between two GEMMs (norms, rope, SwiGLU, the MoE gate's top-k, the
-weighted combine, the paged attention); on CPU a torch op costs microseconds whatever its size, so at decode batch
-sizes those runs cost more than the GEMMs. The routed experts are the one place the kernels run GEMMs themselves
-(grouped_expert_mlp: every local expert's small GEMM pair on its own tokens, unpadded, in one call). The torch
+Each kernel replaces a run of small torch ops (norms, rope, SwiGLU, the MoE gate's top-k, the weighted combine, the
+paged attention); on CPU a torch op costs microseconds whatever its size, so at decode batch sizes those runs cost
+more than the arithmetic. The decode GEMMs run here too, on weights packed into panels once (`pack_panels`): a
+decode GEMM has few rows and a cold weight, and a panel is read once, in order (`linear`, and inside `gated_mlp`,
+`mla_project` and `grouped_expert_mlp`: every local expert's small GEMM pair on its own tokens, unpadded). The torch
 formulation in decode_layers.py / moe_exchange.py stays the reference and the path for every other dtype and
 device; tests/test_cpu_kernels.py compares the two.
 

@@ -10,7 +10,9 @@ same phases with fewer and larger torch ops, on weights rearranged when the inst
   small GEMMs (true for the tiny model, false for DeepSeek-V3's widths, which keep the per-head products);
 - the rope dims of q_b_proj and kv_a_proj reordered into (x1, x2) pairs, so the rotation is one complex multiply;
   rotated values are written de-interleaved ([x1' | x2']), the layout of the KV cache and of HF;
-- the instance's routed experts stacked into [E_local, D, 2I] / [E_local, I, D] for grouped GEMMs (bmm).
+- the instance's routed experts stacked into [E_local, D, 2I] / [E_local, I, D] for grouped GEMMs (bmm);
+- on the fp32 CPU path, every weight also packed into panels (`Linear`, `GroupedExperts`): decode batches (up to
+  PANEL_MAX_ROWS rows) run their GEMMs in the C++ kernels on them, a projection or a SwiGLU MLP in one call.
 Results equal the reference up to fp32 rounding (tests/test_data_plane_decode_layers.py).
 """
 
@@ -257,10 +259,10 @@ class RopeTable:
     """Rotation of the rows of one sub-step (shared by every layer)."""
 
     freqs: torch.Tensor  # [T, half] complex64: cos + i sin (YaRN attention factor included)
+    _cos_sin: np.ndarray | None = None  # [T, half, 2]: cos_sin, when the maker has it already (RopeCache)
 
     def __post_init__(self) -> None:
         self.per_head = self.freqs[:, None, :]  # [T, 1, half]: broadcasts over the query heads
-        self._cos_sin: np.ndarray | None = None
 
     @property
     def cos_sin(self) -> np.ndarray:
@@ -304,9 +306,7 @@ class RopeCache:
             return RopeTable.at(self.rope, torch.from_numpy(positions))
         if top > len(self.freqs):
             self._grow(min(self.limit, max(top, 2 * len(self.freqs), 1024)))
-        table = RopeTable(self.freqs[torch.from_numpy(positions)])
-        table._cos_sin = self.cos_sin[positions]
-        return table
+        return RopeTable(self.freqs[torch.from_numpy(positions)], self.cos_sin[positions])
 
 
 def norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -348,7 +348,7 @@ def project(
     models.mla_decode_qkv)."""
     a, t = w.attn, h.shape[0]
     heads, lora, rope_dim = c.num_attention_heads, c.kv_lora_rank, c.qk_rope_head_dim
-    if a.w_uk is None and a.qkv_a.takes(h) and a.q_b.panels is not None and w.fp32_norms:  # one kernel call
+    if a.w_uk is None and a.qkv_a.takes(h) and w.fp32_norms:  # one kernel call (q_b has panels like qkv_a)
         eps, q_norm = c.rms_norm_eps, a.q_a_norm
         args = (a.kv_a_norm, LATENT_NORM_EPS, rope.cos_sin, a.q_b.panels, heads)
         return cpu_kernels.mla_project(h, w.input_norm, eps, a.qkv_a.panels, q_norm, *args)

@@ -1,10 +1,10 @@
-// Fused fp32 CPU kernels of the eager decode path: the small element-wise and routing steps between the GEMMs.
+// Fused fp32 CPU kernels of the eager decode path: its GEMMs and the small element-wise and routing steps between.
 //
 // On CPU every torch op costs several microseconds whatever its size, and a decode layer of the tiny model runs
 // about 150 of them around its 7 GEMMs. Each kernel here does one of those runs of small ops in one pass over
-// rows held in cache. The GEMMs stay torch's (oneDNN/MKL), except the routed experts': a decode batch gives each
-// expert a few tokens, and one call running all experts' small GEMMs on unpadded rows beats padded bmm's. The
-// torch formulation of each step in data_plane/decode_layers.py and data_plane/moe_exchange.py is the reference:
+// rows held in cache. The decode GEMMs run here on panel-packed weights (see "decode GEMMs" below: a few rows
+// against a cold weight, which torch's GEMMs read slowly); the routed experts' GEMMs run per expert on unpadded
+// rows. The torch formulation of each step in data_plane/decode_layers.py and data_plane/moe_exchange.py is the reference:
 // tests/test_cpu_kernels.py compares every kernel with it on random inputs.
 //
 // Arrays come in as numpy views of torch tensors (nanobind checks dtype, rank and device); rows may be strided,
