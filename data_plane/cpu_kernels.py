@@ -186,15 +186,20 @@ def mla_project(
     rope_cs: np.ndarray,
     q_b: np.ndarray,
     heads: int,
+    kv_cache: torch.Tensor | None = None,
+    kv_slots: np.ndarray | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """MLA's projection with the absorbed query in one call: h [T, D] -> q_latent [T, H, kv_lora + rope] (rope
     rotated), kv_new [T, kv_lora + rope] (normed latent | rotated rope). qkv_a [D, q_lora + kv_lora + rope] and q_b
-    [q_in, H * (kv_lora + rope)] as pack_panels; rope_cs [T, rope / 2, 2]."""
+    [q_in, H * (kv_lora + rope)] as pack_panels; rope_cs [T, rope / 2, 2]. With kv_cache [N, kv_lora + rope] and
+    kv_slots int64 [T], row r of kv_new is also stored in kv_cache row kv_slots[r] (-1: not stored)."""
     t, width = h.shape[0], kv_norm.shape[0] + 2 * rope_cs.shape[1]
     q_latent, q = _empty(t, heads, width)
     kv_new, kv = _empty(t, width)
     q_weight = _weight(q_norm) if q_norm is not None else np.empty(0, dtype=np.float32)
-    _k.mla_project(_np(h), _weight(input_norm), eps, qkv_a, q_weight, _weight(kv_norm), latent_eps, rope_cs, q_b, q, kv)
+    cache = None if kv_cache is None else _np(kv_cache)
+    args = (latent_eps, rope_cs, q_b, q, kv, cache, kv_slots)
+    _k.mla_project(_np(h), _weight(input_norm), eps, qkv_a, q_weight, _weight(kv_norm), *args)
     return q_latent, kv_new
 
 
@@ -218,6 +223,15 @@ def grouped_expert_mlp(
     inter = down_panels.shape[-2]
     _k.grouped_expert_mlp(_np(source), rows, local, gate_up_panels, down_panels, inter, out)
     return y
+
+
+def received_expert_mlp(
+    recv: np.ndarray, cap: int, gate_up_panels: np.ndarray, down_panels: np.ndarray, outs: list[np.ndarray]
+) -> list[int]:
+    """The routed experts of one packed dispatch (data_plane/moe_exchange.py) in place: recv [ranks * (cap + 1),
+    D + 1] the receive buffer (per source a header row with its pair count, then [values | local expert] rows),
+    outs[s] [cap, D] where the outputs of source s's pairs go, in its order -> the pair count of each source."""
+    return _k.received_expert_mlp(recv, cap, gate_up_panels, down_panels, down_panels.shape[-2], outs)
 
 
 def mla_paged_attention(

@@ -341,17 +341,45 @@ def rotate_pairs(x: torch.Tensor, rope: RopeTable) -> torch.Tensor:
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
 
 
+@dataclass
+class KVWrite:
+    """Where `project` stores the new tokens' KV: row i of the batch into rows[slots[i]] (-1: row i stores none)."""
+
+    rows: torch.Tensor  # [frames * page, kv_lora + rope]: a layer's KV pages, flattened
+    slots: np.ndarray  # int64 [T]
+    stored: torch.Tensor | None  # int64 [a]: the batch rows with a slot (None: every row)
+    stored_slots: torch.Tensor  # int64 [a]: their slots
+
+
 def project(
-    w: DecodeLayerWeights, c: ModelConfig, h: torch.Tensor, rope: RopeTable
+    w: DecodeLayerWeights, c: ModelConfig, h: torch.Tensor, rope: RopeTable, store: KVWrite | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """h [T, D] residual stream -> q_latent [T, H, kv_lora + rope], kv_new [T, kv_lora + rope] (as
-    models.mla_decode_qkv)."""
-    a, t = w.attn, h.shape[0]
-    heads, lora, rope_dim = c.num_attention_heads, c.kv_lora_rank, c.qk_rope_head_dim
+    models.mla_decode_qkv); with `store`, kv_new's rows are also written into the KV pages."""
+    a, heads = w.attn, c.num_attention_heads
     if a.w_uk is None and a.qkv_a.takes(h) and w.fp32_norms:  # one kernel call (q_b has panels like qkv_a)
         eps, q_norm = c.rms_norm_eps, a.q_a_norm
         args = (a.kv_a_norm, LATENT_NORM_EPS, rope.cos_sin, a.q_b.panels, heads)
-        return cpu_kernels.mla_project(h, w.input_norm, eps, a.qkv_a.panels, q_norm, *args)
+        if store is None or not cpu_kernels.usable(store.rows):
+            return _stored(cpu_kernels.mla_project(h, w.input_norm, eps, a.qkv_a.panels, q_norm, *args), store)
+        return cpu_kernels.mla_project(h, w.input_norm, eps, a.qkv_a.panels, q_norm, *args, store.rows, store.slots)
+    return _stored(_project_steps(w, c, h, rope), store)
+
+
+def _stored(projected: tuple[torch.Tensor, torch.Tensor], store: KVWrite | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`projected` (q_latent, kv_new), kv_new's rows written as `store` says."""
+    if store is not None and len(store.stored_slots):
+        kv_new = projected[1] if store.stored is None else projected[1].index_select(0, store.stored)
+        store.rows.index_copy_(0, store.stored_slots, kv_new.to(store.rows.dtype))
+    return projected
+
+
+def _project_steps(
+    w: DecodeLayerWeights, c: ModelConfig, h: torch.Tensor, rope: RopeTable
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`project` in several kernel calls or torch ops."""
+    a, t = w.attn, h.shape[0]
+    heads, lora, rope_dim = c.num_attention_heads, c.kv_lora_rank, c.qk_rope_head_dim
     x = norm(h, w.input_norm, c.rms_norm_eps)
     qkv = a.qkv_a(x)  # [T, q_lora + kv_lora + rope]
     if a.w_uk is None and cpu_kernels.usable(qkv) and a.kv_a_norm.dtype == torch.float32:

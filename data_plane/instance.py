@@ -34,7 +34,9 @@ eager fallback still meets its peers on the same exchange.
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
 import torch
@@ -46,11 +48,14 @@ from nanocp.control_plane.lowering import RoutingTables
 from nanocp.graphs import GraphEngine, GraphFallbackWarning
 from nanocp.models import DeepseekV3Weights
 
+from . import cpu_kernels
 from .backends import Backends
 from .block_store import BlockTableStore
 from .decode_layers import (
     DecodeLayerWeights,
     DecodeWeights,
+    GroupedExperts,
+    KVWrite,
     RopeCache,
     RopeTable,
     add_attention_output,
@@ -64,7 +69,7 @@ from .decode_layers import (
 from .experts import expert_slots, owned_experts
 from .graph_runner import GraphRunner, execution_shape
 from .kv_pool import PagedKVPool
-from .moe_exchange import PackedDispatcher
+from .moe_exchange import PackedDispatcher, PackedPending
 from .sampling import SamplingParams, sample_tokens
 from .timing import TimingLog
 
@@ -333,11 +338,9 @@ class DecodeInstance:
         kv_pages = self.pool.kv[i] if tables.s else None  # [frames, page, Dkv]
         q_latent = None
         with timing.phase("projection", i, ctx):
-            if tables.m:
-                q_latent, kv_new = project(w, c, h, step.rope)  # [m, H, Dqk], [m, Dkv]
-                if step.writes:  # masked rows (past their window) write nothing
-                    kv_new = kv_new if step.write_rows is None else kv_new.index_select(0, step.write_rows)
-                    self._kv_rows[i].index_copy_(0, step.kv_slots, kv_new.to(kv_pages.dtype))
+            if tables.m:  # each active row's new KV goes into its tail shard (masked rows, past their window: none)
+                store = KVWrite(self._kv_rows[i], step.row_slots, step.write_rows, step.kv_slots)
+                q_latent, _ = project(w, c, h, step.rope, store)  # [m, H, Dqk]
         seq = self._next_seq()
         with timing.phase("q_route", i, ctx):
             if tables.q_send is not None:
@@ -394,10 +397,9 @@ class DecodeInstance:
         yield Wait(dispatcher.wait_flags(pending))
         if self.packed_moe:
             with timing.phase("experts", i, ctx):
-                received = dispatcher.dispatch_finish(pending)
-                y = grouped_experts(w.experts, dispatcher.recv_x, received.rows, received.local_expert)
+                send = self._packed_experts(w.experts, pending)
             with timing.phase("combine", i, ctx):
-                dispatcher.combine_send(y, received)
+                send()
                 base = _with_shared_expert(w, x, h)  # while the peers' experts run
             yield Wait(dispatcher.combine_wait_flags(pending))
             with timing.phase("combine", i, ctx):
@@ -411,6 +413,21 @@ class DecodeInstance:
         yield Wait(dispatcher.wait_flags(handle))
         with timing.phase("combine", i, ctx):
             return base + dispatcher.combine_finish(handle, topk_weights, y.dtype)
+
+    def _packed_experts(self, experts: GroupedExperts | None, pending: PackedPending) -> Callable[[], None]:
+        """The local experts over what the packed dispatch delivered -> the call that sends their outputs back.
+        Where the buffers allow it (cpu_kernels.received_expert_mlp: fp32, every source's buffer mapped here), one
+        kernel reads the receive buffer and writes each output where its source's combine reads it: the send is
+        only the signal."""
+        dispatcher = self.dispatcher
+        in_place = dispatcher.in_place_combine if experts is not None and experts.gate_up_panels is not None else None
+        if in_place is not None:
+            recv, outs = in_place
+            cpu_kernels.received_expert_mlp(recv, dispatcher.cap, experts.gate_up_panels, experts.down_panels, outs)
+            return partial(dispatcher.combine_sent, pending.seq)
+        received = dispatcher.dispatch_finish(pending)
+        y = grouped_experts(experts, dispatcher.recv_x, received.rows, received.local_expert)
+        return partial(dispatcher.combine_send, y, received)
 
     def _slab_experts(self, w: DecodeLayerWeights, recv_x: torch.Tensor, handle) -> torch.Tensor:
         """Experts over a static-slab dispatcher's receive buffer [local, slab rows, D] -> outputs in the same
@@ -599,7 +616,7 @@ class _IterationTables:
         nothing and is not sampled."""
         if not self.m and not self.s:
             none = torch.zeros(0, dtype=torch.int64)
-            return _SubStep(j, None, none.bool(), [], None, 0, none, none, None)
+            return _SubStep(j, None, none.bool(), [], None, 0, none, none.numpy(), none, None)
         active = j < self.window  # [m]
         step = np.minimum(j, self.window - 1)  # [m]
         token_index = self.full_lens[self.tail] - self.window + step  # [m] slot of the token in its tail shard
@@ -609,6 +626,9 @@ class _IterationTables:
         write = np.arange(self.m) if all_active else np.nonzero(active)[0]
         index = token_index[write]
         frames = self.host_blocks[self.tail[write], index // self.page_size].astype(np.int64)
+        slots = frames * self.page_size + index % self.page_size
+        row_slots = slots if all_active else np.full(self.m, -1, dtype=np.int64)
+        row_slots[write] = slots
         lens = torch.from_numpy(shard_lens)
         plan = None
         if self.s and hasattr(attention, "plan"):
@@ -621,7 +641,8 @@ class _IterationTables:
             active_rows=write.tolist(),
             write_rows=None if all_active else torch.from_numpy(write).to(device),
             writes=len(write),
-            kv_slots=torch.from_numpy(frames * self.page_size + index % self.page_size).to(device),
+            kv_slots=torch.from_numpy(slots).to(device),
+            row_slots=row_slots,
             shard_lens=lens.to(device),
             attention_plan=plan,
         )
@@ -636,6 +657,7 @@ class _SubStep:
     write_rows: torch.Tensor | None  # [a] the active rows (None: every row is active)
     writes: int
     kv_slots: torch.Tensor  # [a] frame * page_size + slot of each active row's new KV
+    row_slots: np.ndarray  # int64 [m] the same per moe row, -1 for a masked row
     shard_lens: torch.Tensor  # [s] tokens attended in sub-step j
     attention_plan: object | None  # the attention backend's per-sub-step plan, when it makes one
 

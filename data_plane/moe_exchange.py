@@ -130,11 +130,29 @@ class PackedDispatcher:
             k: [fabric.buffer(n) if d == fabric.rank else fabric.peer_buffer(d, n) for d in range(ranks)]
             for k, n in self._names.items()
         }
+        self._in_place = self._numpy_views()
 
     @property
     def recv_x(self) -> torch.Tensor:
         """[ranks * (cap + 1), hidden]: the received token values (`PackedReceived.rows` index it)."""
         return self.fabric.buffer(self._names["x"])[:, : self.hidden]
+
+    def _numpy_views(self) -> tuple[np.ndarray, list[np.ndarray]] | None:
+        """`in_place_combine`'s arrays, made once: fp32 on the CPU with every rank's `y` buffer mapped here."""
+        x, ys = self.fabric.buffer(self._names["x"]), self._targets["y"]
+        if self.dtype != torch.float32 or not x.is_cpu or any(y is None or not y.is_cpu for y in ys):
+            return None
+        block = slice(self.fabric.rank * self.cap, (self.fabric.rank + 1) * self.cap)
+        return x.numpy(), [y[block].numpy() for y in ys]
+
+    @property
+    def in_place_combine(self) -> tuple[np.ndarray, list[np.ndarray]] | None:
+        """(this rank's `x` receive buffer [ranks * (cap + 1), row], and per source rank s the [cap, hidden] block
+        of s's `y` buffer where this rank's outputs for s go) as numpy arrays, for a kernel that reads what the
+        sources sent and writes the outputs where their combine reads them (cpu_kernels.received_expert_mlp; then
+        `combine_sent`). None where that cannot be done in place (not fp32 on the CPU, a peer's buffer reachable by
+        put only, or the fused kernels switched off)."""
+        return self._in_place if cpu_kernels.usable(self._empty_header) else None
 
     def _tags(self, rows: torch.Tensor) -> torch.Tensor:
         """The tag column of `x` rows [n, row] as a [n] integer view."""
@@ -220,7 +238,11 @@ class PackedDispatcher:
             if count:
                 self._put(src, "y", rank * cap, y[offset : offset + count])
             offset += count
-        self._signal_peers(self.combine_flag, received.seq)
+        self.combine_sent(received.seq)
+
+    def combine_sent(self, seq: int) -> None:
+        """The outputs for dispatch `seq` are in every source's `y` buffer: signal them."""
+        self._signal_peers(self.combine_flag, seq)
 
     def combine_wait_flags(self, pending: PackedPending) -> list[tuple[int, int]]:
         """(flag, value) pairs that must hold before combine_finish: every rank has sent its outputs."""

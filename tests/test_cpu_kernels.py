@@ -258,6 +258,75 @@ def test_grouped_expert_mlp_equals_each_tokens_expert(tokens, sources, experts, 
     assert rel_err(got, expert_mlp_reference(source, rows, local, gate_up, down)) <= 1e-5
 
 
+def packed_receive_buffer(rng: np.random.Generator, counts: list[int], cap: int, dim: int, experts: int):
+    """A packed dispatch's receive buffer [ranks * (cap + 1), dim + 1] (moe_exchange.py): per source a header row
+    tagged with its count, then `count` random rows tagged with random local experts; unused rows random too."""
+    recv = rng.standard_normal((len(counts) * (cap + 1), dim + 1)).astype(np.float32)
+    tags = recv[:, dim:].view(np.int32)[:, 0]
+    rows, local = [], []
+    for s, n in enumerate(counts):
+        tags[s * (cap + 1)] = n
+        block = np.arange(s * (cap + 1) + 1, s * (cap + 1) + 1 + n)
+        tags[block] = rng.integers(0, experts, n)
+        rows += block.tolist()
+        local += tags[block].tolist()
+    return recv, np.array(rows, dtype=np.int64), np.array(local, dtype=np.int64)
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    ranks=st.integers(1, 4),
+    cap=st.integers(0, 12),
+    experts=st.integers(1, 4),
+    dim=st.sampled_from([8, 16, 48, 256]),
+    inter=st.sampled_from([1, 16, 40, 128]),
+    seed=st.integers(0, 2**16),
+)
+def test_received_expert_mlp_equals_the_grouped_kernel_on_the_parsed_buffer(ranks, cap, experts, dim, inter, seed):
+    """The experts read straight from a packed receive buffer, each source's outputs written to its own array in
+    its order: bit-equal to grouped_expert_mlp on the rows and experts read out of the buffer; rows of `outs` past a
+    source's count are left as they were."""
+    gen, rng = torch.Generator().manual_seed(seed), np.random.default_rng(seed)
+    counts = rng.integers(0, cap + 1, ranks).tolist()
+    recv, rows, local = packed_receive_buffer(rng, counts, cap, dim, experts)
+    gate_up = cpu_kernels.pack_panels(randn(gen, experts, dim, 2 * inter, scale=0.1))
+    down = cpu_kernels.pack_panels(randn(gen, experts, inter, dim, scale=0.1))
+    outs = [rng.standard_normal((cap, dim)).astype(np.float32) for _ in range(ranks)]
+    before = [o.copy() for o in outs]
+    assert cpu_kernels.received_expert_mlp(recv, cap, gate_up, down, outs) == counts
+    want = cpu_kernels.grouped_expert_mlp(torch.from_numpy(recv[:, :dim]), rows, local, gate_up, down).numpy()
+    got = np.concatenate([o[:n] for o, n in zip(outs, counts)])
+    assert np.array_equal(got, want.reshape(-1, dim))
+    for o, b, n in zip(outs, before, counts):
+        assert np.array_equal(o[n:], b[n:])
+
+
+def test_received_expert_mlp_rejects_corrupt_dispatches_and_shapes():
+    rng = np.random.default_rng(5)
+    gen = torch.Generator().manual_seed(5)
+    cap, dim, inter = 4, 16, 8
+    gate_up = cpu_kernels.pack_panels(randn(gen, 2, dim, 2 * inter))
+    down = cpu_kernels.pack_panels(randn(gen, 2, inter, dim))
+    recv, _, _ = packed_receive_buffer(rng, [2, 3], cap, dim, 2)
+    outs = [np.zeros((cap, dim), dtype=np.float32) for _ in range(2)]
+    tags = recv[:, dim:].view(np.int32)[:, 0]
+    bad = recv.copy()
+    bad[:, dim:].view(np.int32)[cap + 1, 0] = cap + 1
+    with pytest.raises(ValueError, match=r"corrupt dispatch: source 1 sent 5 pairs, outside \[0, 4\]"):
+        cpu_kernels.received_expert_mlp(bad, cap, gate_up, down, outs)
+    bad = recv.copy()
+    bad[:, dim:].view(np.int32)[2, 0] = 2
+    with pytest.raises(ValueError, match=r"corrupt dispatch: local expert 2 outside \[0, 2\)"):
+        cpu_kernels.received_expert_mlp(bad, cap, gate_up, down, outs)
+    with pytest.raises(ValueError, match=r"recv must have ranks \* \(cap \+ 1\) = 15 rows"):
+        cpu_kernels.received_expert_mlp(recv, cap, gate_up, down, outs + [outs[0]])
+    with pytest.raises(ValueError, match=r"outs\[1\] must hold \[3, 16\]"):
+        cpu_kernels.received_expert_mlp(recv, cap, gate_up, down, [outs[0], outs[1][:2]])
+    with pytest.raises(TypeError):  # a copy made to convert would lose the outputs
+        cpu_kernels.received_expert_mlp(recv, cap, gate_up, down, [outs[0], outs[1].astype(np.float64)])
+    assert tags[0] == 2 and tags[cap + 1] == 3
+
+
 @settings(max_examples=25, deadline=None)
 @given(
     shards=st.integers(0, 6),
@@ -414,7 +483,7 @@ def test_grouped_expert_mlp_rejects_bad_routing_and_shapes():
         cpu_kernels.grouped_expert_mlp(source, np.array([0, 5, 1]), local, gate_up, down)
     with pytest.raises(ValueError, match="rows, local and y must have the same length"):
         cpu_kernels.grouped_expert_mlp(source, rows, local[:2], gate_up, down)
-    with pytest.raises(ValueError, match=r"gate_up \[E, D, 2I\], down \[E, I, D\].* disagree"):
+    with pytest.raises(ValueError, match=r"gate_up \[E, D, 2I\] and down \[E, I, D\] disagree"):
         cpu_kernels.grouped_expert_mlp(source, rows, local, gate_up, down[:2])
     with pytest.raises(ValueError, match=r"gate_up: panels must be \[\d+, 24, \d+\] for a \[24, 32\] weight"):
         cpu_kernels.grouped_expert_mlp(randn(gen, 5, 24), rows, local, gate_up, down)  # D = 24, panels of D = 32
@@ -515,6 +584,22 @@ def test_mla_project_equals_its_steps_one_by_one(tokens, dim, q_lora, lora, half
     assert torch.equal(q, q_want) and torch.equal(kv, kv_want)
     with pytest.raises(ValueError, match="mla_project: q_b: panels must be"):
         cpu_kernels.mla_project(h, input_norm, 1e-5, qkv_p, q_norm, kv_norm, 1e-6, cs, q_b_p, heads + 64)
+    # the KV store: each row into its own slot of a cache (-1: none), every other cache row untouched
+    rng = np.random.default_rng(seed)
+    cache = randn(gen, tokens + 5, width)
+    slots = rng.permutation(tokens + 5)[:tokens].astype(np.int64)
+    slots[rng.random(tokens) < 0.3] = -1
+    want = cache.clone()
+    want[torch.from_numpy(slots[slots >= 0])] = kv_want[torch.from_numpy(slots >= 0)]
+    args = (h, input_norm, 1e-5, qkv_p, q_norm, kv_norm, 1e-6, cs, q_b_p, heads)
+    q, kv = cpu_kernels.mla_project(*args, cache, slots)
+    assert torch.equal(q, q_want) and torch.equal(kv, kv_want) and torch.equal(cache, want)
+    if tokens:
+        slots[0] = tokens + 5
+        with pytest.raises(ValueError, match=f"kv slot {tokens + 5} outside the cache's {tokens + 5} rows"):
+            cpu_kernels.mla_project(*args, cache, slots)
+        with pytest.raises(ValueError, match=r"kv_cache must be \[N, \d+\] and kv_slots"):
+            cpu_kernels.mla_project(*args, cache[:, 1:], slots)
 
 
 def test_linear_on_panels_rejects_mismatched_shapes():

@@ -78,6 +78,27 @@ def test_projection_and_output_equal_the_reference(prepared, rows):
         assert rel_err(dl.ffn_input(w, c, h), post_attention_norm(layer, h)) < 1e-6
 
 
+@pytest.mark.parametrize("rows", [1, 7])
+def test_projection_stores_each_rows_kv_in_its_slot(prepared, rows):
+    """project(..., store): the same q and kv, each row's kv also in its slot of the pages (-1: none stored),
+    every other row of the pages untouched."""
+    model, weights = prepared
+    c = model.config
+    gen, rng = torch.Generator().manual_seed(rows), np.random.default_rng(rows)
+    w, h = weights.layers[1], torch.randn(rows, c.hidden_size, generator=gen)
+    rope = dl.RopeTable.at(weights.rope, torch.randint(0, 5000, (rows,), generator=gen))
+    pages = torch.randn(3 * rows + 2, c.kv_lora_rank + c.qk_rope_head_dim, generator=gen)
+    slots = rng.permutation(len(pages))[:rows].astype(np.int64)
+    slots[rng.random(rows) < 0.4] = -1
+    stored = np.nonzero(slots >= 0)[0]
+    store = dl.KVWrite(pages, slots, torch.from_numpy(stored), torch.from_numpy(slots[stored]))
+    want_pages = pages.clone()
+    q_want, kv_want = dl.project(w, c, h, rope)
+    q, kv = dl.project(w, c, h, rope, store)
+    want_pages[torch.from_numpy(slots[stored])] = kv_want[torch.from_numpy(stored)]
+    assert torch.equal(q, q_want) and torch.equal(kv, kv_want) and torch.equal(pages, want_pages)
+
+
 def test_ffn_gate_and_logits_equal_the_reference(prepared):
     model, weights = prepared
     c = model.config

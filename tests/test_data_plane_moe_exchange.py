@@ -104,6 +104,56 @@ def test_packed_exchange_by_put_equals_writing_in_place(world, cpu_kernel_path):
             assert torch.equal(tok_a, tok_b) and torch.equal(out_a, out_b)
 
 
+def test_experts_run_in_place_equal_the_exchange_in_steps(cpu_kernel_path):
+    """The in-place expert pass (the receive buffer read and every source's combine buffer written by one kernel,
+    then only a signal) combines bit for bit what reading, computing and sending in steps does; off the kernel path
+    and over a fabric that can only put, there is no in-place pass."""
+    from nanocp.data_plane.decode_layers import GroupedExperts, grouped_experts
+
+    world, experts_per_rank, max_tokens, k, hidden, inter = 2, 3, 6, 2, 16, 8
+    gen = torch.Generator().manual_seed(3)
+    xs, idxs, ws = random_routing([max_tokens, 4], hidden, k, world * experts_per_rank, gen, 0.2)
+    weights = [
+        GroupedExperts(
+            torch.randn(experts_per_rank, hidden, 2 * inter, generator=gen) * 0.1,
+            torch.randn(experts_per_rank, inter, hidden, generator=gen) * 0.1,
+        )
+        for _ in range(world)
+    ]
+
+    def run(in_place: bool, fabric_cls=InProcessFabric):
+        fabrics = fabric_cls.create(world, num_flags=16)
+
+        def rank_main(rank: int):
+            disp = PackedDispatcher(fabrics[rank], world * experts_per_rank, hidden, max_tokens, k, torch.float32)
+            pending = disp.dispatch_send(xs[rank], idxs[rank])
+            for flag, value in disp.wait_flags(pending):
+                fabrics[rank].wait(flag, value, 30.0)
+            experts, mapped = weights[rank], disp.in_place_combine is not None
+            if in_place:
+                recv, outs = disp.in_place_combine
+                cpu_kernels.received_expert_mlp(recv, disp.cap, experts.gate_up_panels, experts.down_panels, outs)
+                disp.combine_sent(pending.seq)
+            else:
+                received = disp.dispatch_finish(pending)
+                disp.combine_send(grouped_experts(experts, disp.recv_x, received.rows, received.local_expert), received)
+            for flag, value in disp.combine_wait_flags(pending):
+                fabrics[rank].wait(flag, value, 30.0)
+            return mapped, disp.combine_finish(pending, ws[rank], torch.float32)
+
+        return run_threads(rank_main, world, timeout_s=60)
+
+    by_steps = run(False, PutOnlyFabric)
+    assert not any(mapped for mapped, _ in by_steps)
+    if cpu_kernel_path == "torch":
+        assert not any(mapped for mapped, _ in run(False))
+        return
+    in_place = run(True)
+    assert all(mapped for mapped, _ in in_place)
+    for (_, a), (_, b) in zip(in_place, by_steps):
+        assert torch.equal(a, b)
+
+
 @exchange_settings
 @given(
     ranks=st.integers(1, 4),

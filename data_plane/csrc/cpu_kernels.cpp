@@ -12,6 +12,7 @@
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/optional.h>
+#include <nanobind/stl/vector.h>
 
 #include <algorithm>
 #include <cmath>
@@ -628,8 +629,11 @@ void gated_mlp(F32<2> x, F32<3> gate_up_panels, F32<3> down_panels, int64_t inte
 //   rope dims (pair order) rotated, de-interleaved.
 // W_qkv_a and W_q_b as panels; rope_cs [T, rope / 2, 2] (cos, sin); eps for input_norm, latent_eps for the latent
 // norms. q_norm may be empty (no q_lora).
+// With kv_cache [N, lora + rope] and kv_slots [T], row r's kv_out is also stored in kv_cache row kv_slots[r]
+// (-1: not stored), the decode step's KV write into the paged pool.
 void mla_project(F32<2> h, F32<1> input_norm, float eps, F32<3> qkv_a_panels, F32<1> q_norm, F32<1> kv_norm,
-                 float latent_eps, F32<3> rope_cs, F32<3> q_b_panels, F32<3> q_out, F32<2> kv_out) {
+                 float latent_eps, F32<3> rope_cs, F32<3> q_b_panels, F32<3> q_out, F32<2> kv_out,
+                 std::optional<F32<2>> kv_cache, std::optional<I64<1>> kv_slots) {
   require_rows(h, "h");
   require_rows(kv_out, "kv_out");
   const int64_t t = h.shape(0), dim = h.shape(1), q_lora = q_norm.shape(0), lora = kv_norm.shape(0);
@@ -647,6 +651,19 @@ void mla_project(F32<2> h, F32<1> input_norm, float eps, F32<3> qkv_a_panels, F3
           "mla_project: q_out must be [T, H, kv_lora + rope] with contiguous rows");
   REQUIRE(static_cast<int64_t>(kv_out.shape(0)) == t && static_cast<int64_t>(kv_out.shape(1)) == width,
           "mla_project: kv_out must be " + shape_of(t, width));
+  REQUIRE(kv_cache.has_value() == kv_slots.has_value(), "mla_project: kv_cache and kv_slots come together");
+  if (kv_cache) {
+    require_rows(*kv_cache, "kv_cache");
+    REQUIRE(static_cast<int64_t>(kv_cache->shape(1)) == width && static_cast<int64_t>(kv_slots->shape(0)) == t,
+            "mla_project: kv_cache must be [N, " + std::to_string(width) + "] and kv_slots [" + std::to_string(t) +
+                "]");
+    for (int64_t r = 0; r < t; ++r) {
+      const int64_t slot = kv_slots->data()[r * kv_slots->stride(0)];
+      REQUIRE(slot >= -1 && slot < static_cast<int64_t>(kv_cache->shape(0)),
+              "mla_project: kv slot " + std::to_string(slot) + " outside the cache's " +
+                  std::to_string(kv_cache->shape(0)) + " rows");
+    }
+  }
   std::vector<float> x(t * dim), qkv(t * qkv_width), q_lat(q_lora ? t * q_lora : 0);
   std::vector<const float*> a(t);
   std::vector<float*> c(t);
@@ -666,6 +683,8 @@ void mla_project(F32<2> h, F32<1> input_norm, float eps, F32<3> qkv_a_panels, F3
     float* kv = kv_out.data() + r * kv_out.stride(0);
     rms_norm_row(row + q_lora, kv_norm.data(), latent_eps, kv, lora);
     rotate_row(row + q_lora + lora, cs, kv + lora, half);
+    const int64_t slot = kv_cache ? kv_slots->data()[r * kv_slots->stride(0)] : -1;
+    if (slot >= 0) std::memcpy(kv_cache->data() + slot * kv_cache->stride(0), kv, width * sizeof(float));
     c[r] = q_out.data() + r * q_out.stride(0);
   }
   gemm_panels(t, heads * width, q_in, a.data(), q_b_panels.data(), nullptr, c.data());
@@ -677,37 +696,20 @@ void mla_project(F32<2> h, F32<1> input_norm, float eps, F32<3> qkv_a_panels, F3
 }
 
 // The routed experts of a decode batch without padding (the CPU counterpart of a grouped GEMM over a contiguous
-// layout): token i is source[rows[i]] through local expert local[i],
-//   y[i] = (silu(x @ gate_up[e][:, :I]) * (x @ gate_up[e][:, I:])) @ down[e].
-// source [R, D], rows/local [N], gate_up [E, D, 2I] and down [E, I, D] as panels (gate_up_panels [E, P, D, kPanel],
-// down_panels [E, P', I, kPanel]) -> y [N, D]. Tokens are taken expert by expert (counting sort, arrival order
-// within an expert); idle experts' weights are never read.
-void grouped_expert_mlp(F32<2> source, I64<1> rows, I64<1> local, F32<4> gate_up_panels, F32<4> down_panels,
-                        int64_t inter, F32<2> y) {
-  require_rows(source, "source");
-  require_rows(y, "y");
-  const int64_t n = rows.shape(0), experts = gate_up_panels.shape(0), dim = source.shape(1);
-  REQUIRE(static_cast<int64_t>(local.shape(0)) == n && static_cast<int64_t>(y.shape(0)) == n,
-          "grouped_expert_mlp: rows, local and y must have the same length");
-  REQUIRE(inter > 0 && down_panels.shape(0) == gate_up_panels.shape(0) && static_cast<int64_t>(y.shape(1)) == dim,
-          "grouped_expert_mlp: gate_up [E, D, 2I], down [E, I, D], source [R, D] and y [N, D] disagree");
-  require_panels(gate_up_panels, dim, 2 * inter, "grouped_expert_mlp: gate_up");
-  require_panels(down_panels, inter, dim, "grouped_expert_mlp: down");
+// layout): token i is the row x[i] through local expert local[i], its output written to the row y[i],
+//   y[i] = (silu(x @ gate_up[e][:, :I]) * (x @ gate_up[e][:, I:])) @ down[e],
+// gate_up [E, D, 2I] and down [E, I, D] as panels (gate_up_panels [E, P, D, kPanel], down_panels [E, P', I,
+// kPanel]; one expert's panels `*_stride` floats apart). Tokens are taken expert by expert (counting sort, arrival
+// order within an expert); idle experts' weights are never read. local[i] must be in [0, experts).
+void expert_rows_mlp(int64_t n, const float* const* x, const int64_t* local, float* const* y, int64_t experts,
+                     int64_t dim, int64_t inter, const float* gate_up, int64_t gate_up_stride, const float* down,
+                     int64_t down_stride) {
   std::vector<int64_t> count(experts + 1, 0);  // then: each expert's first position in `order`
-  for (int64_t i = 0; i < n; ++i) {
-    const int64_t e = local.data()[i * local.stride(0)];
-    REQUIRE(e >= 0 && e < experts, "grouped_expert_mlp: local expert " + std::to_string(e) + " outside [0, " +
-                                       std::to_string(experts) + ")");
-    const int64_t r = rows.data()[i * rows.stride(0)];
-    REQUIRE(r >= 0 && r < static_cast<int64_t>(source.shape(0)),
-            "grouped_expert_mlp: row " + std::to_string(r) + " outside the source's " +
-                std::to_string(source.shape(0)) + " rows");
-    ++count[e + 1];
-  }
+  for (int64_t i = 0; i < n; ++i) ++count[local[i] + 1];
   for (int64_t e = 0; e < experts; ++e) count[e + 1] += count[e];
   std::vector<int64_t> order(n);
   std::vector<int64_t> next(count.begin(), count.end() - 1);
-  for (int64_t i = 0; i < n; ++i) order[next[local.data()[i * local.stride(0)]]++] = i;
+  for (int64_t i = 0; i < n; ++i) order[next[local[i]]++] = i;
 
   int64_t widest = 0;
   for (int64_t e = 0; e < experts; ++e) widest = std::max(widest, count[e + 1] - count[e]);
@@ -721,18 +723,99 @@ void grouped_expert_mlp(F32<2> source, I64<1> rows, I64<1> local, F32<4> gate_up
     float* gate_up_out = hidden.data();
     float* act = hidden.data() + widest * 2 * inter;
     for (int64_t t = 0; t < m; ++t) {
-      a[t] = source.data() + rows.data()[tokens[t] * rows.stride(0)] * source.stride(0);
+      a[t] = x[tokens[t]];
       c[t] = gate_up_out + t * 2 * inter;
     }
-    gemm_panels(m, 2 * inter, dim, a.data(), gate_up_panels.data() + e * gate_up_panels.stride(0), nullptr,
-                c.data());
+    gemm_panels(m, 2 * inter, dim, a.data(), gate_up + e * gate_up_stride, nullptr, c.data());
     for (int64_t t = 0; t < m; ++t) {
       silu_mul_row(c[t], act + t * inter, inter);
       a[t] = act + t * inter;
-      c[t] = y.data() + tokens[t] * y.stride(0);
+      c[t] = y[tokens[t]];
     }
-    gemm_panels(m, dim, inter, a.data(), down_panels.data() + e * down_panels.stride(0), nullptr, c.data());
+    gemm_panels(m, dim, inter, a.data(), down + e * down_stride, nullptr, c.data());
   }
+}
+
+void require_expert_panels(const F32<4>& gate_up_panels, const F32<4>& down_panels, int64_t dim, int64_t inter,
+                           const char* what) {
+  REQUIRE(inter > 0 && down_panels.shape(0) == gate_up_panels.shape(0),
+          std::string(what) + ": gate_up [E, D, 2I] and down [E, I, D] disagree");
+  require_panels(gate_up_panels, dim, 2 * inter, (std::string(what) + ": gate_up").c_str());
+  require_panels(down_panels, inter, dim, (std::string(what) + ": down").c_str());
+}
+
+// expert_rows_mlp over rows of one source array: token i is source[rows[i]] through local expert local[i] ->
+// y [N, D] (source [R, D], rows/local [N]).
+void grouped_expert_mlp(F32<2> source, I64<1> rows, I64<1> local, F32<4> gate_up_panels, F32<4> down_panels,
+                        int64_t inter, F32<2> y) {
+  require_rows(source, "source");
+  require_rows(y, "y");
+  const int64_t n = rows.shape(0), experts = gate_up_panels.shape(0), dim = source.shape(1);
+  REQUIRE(static_cast<int64_t>(local.shape(0)) == n && static_cast<int64_t>(y.shape(0)) == n,
+          "grouped_expert_mlp: rows, local and y must have the same length");
+  REQUIRE(static_cast<int64_t>(y.shape(1)) == dim, "grouped_expert_mlp: source [R, D] and y [N, D] disagree");
+  require_expert_panels(gate_up_panels, down_panels, dim, inter, "grouped_expert_mlp");
+  std::vector<const float*> x(n);
+  std::vector<float*> out(n);
+  std::vector<int64_t> expert(n);
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t e = local.data()[i * local.stride(0)];
+    REQUIRE(e >= 0 && e < experts, "grouped_expert_mlp: local expert " + std::to_string(e) + " outside [0, " +
+                                       std::to_string(experts) + ")");
+    const int64_t r = rows.data()[i * rows.stride(0)];
+    REQUIRE(r >= 0 && r < static_cast<int64_t>(source.shape(0)),
+            "grouped_expert_mlp: row " + std::to_string(r) + " outside the source's " +
+                std::to_string(source.shape(0)) + " rows");
+    expert[i] = e;
+    x[i] = source.data() + r * source.stride(0);
+    out[i] = y.data() + i * y.stride(0);
+  }
+  expert_rows_mlp(n, x.data(), expert.data(), out.data(), experts, dim, inter, gate_up_panels.data(),
+                  gate_up_panels.stride(0), down_panels.data(), down_panels.stride(0));
+}
+
+// The routed experts of one packed MoE dispatch (data_plane/moe_exchange.py), read straight from the receive
+// buffer and written straight to where each source's combine reads them. recv [ranks * (cap + 1), D + 1]: source
+// s's block starts at row s * (cap + 1) with a header row whose tag (the int32 in the row's last slot) is the
+// number of pairs n_s it sent, then n_s rows [values | local expert]. outs[s] [>= n_s, D]: row i gets the output of
+// source s's i-th pair. Returns [n_s]. A count outside [0, cap] or an expert outside [0, E) is a corrupt dispatch.
+std::vector<int64_t> received_expert_mlp(F32<2> recv, int64_t cap, F32<4> gate_up_panels, F32<4> down_panels,
+                                         int64_t inter, std::vector<F32<2>> outs) {
+  require_rows(recv, "recv");
+  const int64_t ranks = outs.size(), dim = static_cast<int64_t>(recv.shape(1)) - 1;
+  const int64_t experts = gate_up_panels.shape(0), block = cap + 1;
+  REQUIRE(cap >= 0 && static_cast<int64_t>(recv.shape(0)) == ranks * block,
+          "received_expert_mlp: recv must have ranks * (cap + 1) = " + std::to_string(ranks * block) + " rows");
+  require_expert_panels(gate_up_panels, down_panels, dim, inter, "received_expert_mlp");
+  auto tag = [&](int64_t row) {
+    int32_t value;
+    std::memcpy(&value, recv.data() + row * recv.stride(0) + dim, sizeof value);
+    return static_cast<int64_t>(value);
+  };
+  std::vector<int64_t> counts(ranks);
+  std::vector<const float*> x;
+  std::vector<float*> y;
+  std::vector<int64_t> expert;
+  for (int64_t s = 0; s < ranks; ++s) {
+    const int64_t n = counts[s] = tag(s * block);
+    REQUIRE(n >= 0 && n <= cap, "received_expert_mlp: corrupt dispatch: source " + std::to_string(s) + " sent " +
+                                    std::to_string(n) + " pairs, outside [0, " + std::to_string(cap) + "]");
+    require_rows(outs[s], "outs");
+    REQUIRE(static_cast<int64_t>(outs[s].shape(0)) >= n && static_cast<int64_t>(outs[s].shape(1)) == dim,
+            "received_expert_mlp: outs[" + std::to_string(s) + "] must hold [" + std::to_string(n) + ", " +
+                std::to_string(dim) + "]");
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t row = s * block + 1 + i, e = tag(row);
+      REQUIRE(e >= 0 && e < experts, "received_expert_mlp: corrupt dispatch: local expert " + std::to_string(e) +
+                                         " outside [0, " + std::to_string(experts) + ")");
+      expert.push_back(e);
+      x.push_back(recv.data() + row * recv.stride(0));
+      y.push_back(outs[s].data() + i * outs[s].stride(0));
+    }
+  }
+  expert_rows_mlp(x.size(), x.data(), expert.data(), y.data(), experts, dim, inter, gate_up_panels.data(),
+                  gate_up_panels.stride(0), down_panels.data(), down_panels.stride(0));
+  return counts;
 }
 
 // ---- shard attention -----------------------------------------------------------------------------------------
@@ -978,9 +1061,11 @@ NB_MODULE(_cpu_kernels, m) {
         nb::arg("cap"), array("source"), array("tags"), array("per_dst"), array("result_rows"));
   m.def("grouped_expert_mlp", &grouped_expert_mlp, array("source"), array("rows"), array("local"),
         array("gate_up_panels"), array("down_panels"), nb::arg("inter"), array("y"));
+  m.def("received_expert_mlp", &received_expert_mlp, array("recv"), nb::arg("cap"), array("gate_up_panels"),
+        array("down_panels"), nb::arg("inter"), array("outs"));
   m.def("mla_project", &mla_project, array("h"), array("input_norm"), nb::arg("eps"), array("qkv_a_panels"),
         array("q_norm"), array("kv_norm"), nb::arg("latent_eps"), array("rope_cs"), array("q_b_panels"),
-        array("q_out"), array("kv_out"));
+        array("q_out"), array("kv_out"), array("kv_cache").none() = nb::none(), array("kv_slots").none() = nb::none());
   m.def("gated_mlp", &gated_mlp, array("x"), array("gate_up_panels"), array("down_panels"), nb::arg("inter"),
         array("base").none(), array("out"));
   m.def("linear_panels", &linear_panels, array("x"), array("panels"), nb::arg("n"), array("base").none(),
