@@ -256,13 +256,22 @@ def _prepare_layer(layer: LayerWeights, local_experts: Sequence[int]) -> DecodeL
 
 @dataclass
 class RopeTable:
-    """Rotation of the rows of one sub-step (shared by every layer)."""
+    """Rotation of the rows of one sub-step (shared by every layer): as complex frequencies for torch's rotation and
+    as (cos, sin) pairs for the fused CPU kernels; a table made with one makes the other on first use."""
 
-    freqs: torch.Tensor  # [T, half] complex64: cos + i sin (YaRN attention factor included)
-    _cos_sin: np.ndarray | None = None  # [T, half, 2]: cos_sin, when the maker has it already (RopeCache)
+    _freqs: torch.Tensor | None  # [T, half] complex: cos + i sin (YaRN attention factor included)
+    _cos_sin: np.ndarray | None = None  # [T, half, 2] fp32
 
-    def __post_init__(self) -> None:
-        self.per_head = self.freqs[:, None, :]  # [T, 1, half]: broadcasts over the query heads
+    @property
+    def freqs(self) -> torch.Tensor:
+        if self._freqs is None:  # the pairs as complex64: a view, the same values
+            self._freqs = torch.view_as_complex(torch.from_numpy(self._cos_sin))
+        return self._freqs
+
+    @property
+    def per_head(self) -> torch.Tensor:
+        """[T, 1, half]: broadcasts over the query heads."""
+        return self.freqs[:, None, :]
 
     @property
     def cos_sin(self) -> np.ndarray:
@@ -306,6 +315,8 @@ class RopeCache:
             return RopeTable.at(self.rope, torch.from_numpy(positions))
         if top > len(self.freqs):
             self._grow(min(self.limit, max(top, 2 * len(self.freqs), 1024)))
+        if self.freqs.dtype == torch.complex64:  # the complex rows only where a torch path asks for them
+            return RopeTable(None, self.cos_sin[positions])
         return RopeTable(self.freqs[torch.from_numpy(positions)], self.cos_sin[positions])
 
 

@@ -75,14 +75,22 @@ def sample_token(logits: torch.Tensor, params: SamplingParams, output_index: int
     return int(torch.multinomial(probs / probs.sum(), 1, generator=gen))
 
 
+def _argmax_rows(logits: torch.Tensor) -> list[int]:
+    """The first maximum of each row of logits [a, vocab] (numpy's argmax on the CPU: the same first index, NaN
+    included, a fraction of torch's per-call cost)."""
+    if logits.is_cpu and not logits.requires_grad and logits.dtype in (torch.float32, torch.float64):
+        return logits.numpy().argmax(axis=-1).tolist()
+    return logits.argmax(dim=-1).tolist()
+
+
 def sample_tokens(
     logits: torch.Tensor, params: list[SamplingParams], output_indices: list[int], fallback_seeds: list[int]
 ) -> list[int]:
     """logits [a, vocab] -> a token per row, as `sample_token` row by row; greedy rows share one argmax."""
     greedy = [p.greedy for p in params]
     if all(greedy):
-        return logits.argmax(dim=-1).tolist()
-    best = logits.argmax(dim=-1).tolist() if any(greedy) else greedy
+        return _argmax_rows(logits)
+    best = _argmax_rows(logits) if any(greedy) else greedy
     return [
         best[r] if greedy[r] else sample_token(logits[r], params[r], output_indices[r], fallback_seeds[r])
         for r in range(len(params))

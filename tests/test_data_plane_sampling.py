@@ -37,3 +37,14 @@ def test_batched_sampling_equals_row_by_row_sampling():
     greedy = [SamplingParams(temperature=0.0)] * 7
     assert sample_tokens(logits, greedy, index, seeds) == logits.argmax(dim=-1).tolist()
     assert sample_tokens(logits[:0], [], [], []) == []
+
+
+def test_batched_greedy_rows_take_the_first_maximum_like_torch():
+    """Greedy rows take numpy's argmax on the CPU: torch's answer on ties (the first) and NaN rows, fp32 and fp64."""
+    gen = torch.Generator().manual_seed(2)
+    for dtype in (torch.float32, torch.float64):
+        logits = torch.randint(0, 4, (40, 260), generator=gen).to(dtype)  # many ties
+        logits[3, 100] = float("nan")
+        logits[5, [7, 200]] = float("nan")
+        greedy = [SamplingParams(temperature=0.0)] * 40
+        assert sample_tokens(logits, greedy, [0] * 40, [0] * 40) == [int(torch.argmax(row)) for row in logits]
