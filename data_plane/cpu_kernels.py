@@ -152,6 +152,15 @@ def pack_dispatch_rows(x: torch.Tensor, source: np.ndarray, tags: np.ndarray, ou
     _k.pack_dispatch_rows(_np(x), source, tags, _np(out))
 
 
+def pack_dispatch(
+    x: torch.Tensor, topk_idx: np.ndarray, num_experts: int, cap: int, blocks: list[np.ndarray], result_rows: np.ndarray
+) -> None:
+    """The packed dispatch of data_plane/moe_exchange.py in one call: x [T, hidden], topk_idx int64 [T, k] (-1 = no
+    expert) -> each destination rank d's block (a header row with its pair count, then [values | local expert] rows
+    by (expert, token)) in blocks[d] [cap + 1, hidden + 1]; result_rows int64 [T, k] as moe_dispatch_layout's."""
+    _k.pack_dispatch(_np(x), topk_idx, num_experts, cap, blocks, result_rows)
+
+
 def panel_width() -> int | None:
     """Columns per weight panel of the GEMM kernels (one register tile: 16 with AVX2, 64 with AVX-512)."""
     return None if _k is None else int(_k.panel_width)
@@ -201,6 +210,34 @@ def mla_project(
     args = (latent_eps, rope_cs, q_b, q, kv, cache, kv_slots)
     _k.mla_project(_np(h), _weight(input_norm), eps, qkv_a, q_weight, _weight(kv_norm), *args)
     return q_latent, kv_new
+
+
+def moe_gate_input(
+    o: torch.Tensor,
+    w_o: np.ndarray,
+    h: torch.Tensor,
+    post_norm: torch.Tensor,
+    eps: float,
+    gate: np.ndarray,
+    experts: int,
+    bias: torch.Tensor,
+    n_group: int,
+    topk_group: int,
+    top_k: int,
+    normalize: bool,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A MoE layer from its merged attention output to its gate in one call: o [T, H * kv_lora], h [T, D] ->
+    h + o @ W_o [T, D], x = RMSNorm(that) [T, D], topk_idx int64 [T, k], topk_weights [T, k] (moe_gate_topk of
+    x @ W_gate). W_o [H * kv_lora, D] and W_gate [D, experts] as pack_panels, bias [experts]."""
+    t, dim = h.shape
+    h_out, h_np = _empty(t, dim)
+    x, x_np = _empty(t, dim)
+    idx, i = _empty(t, top_k, dtype=np.int64)
+    weights, w = _empty(t, top_k)
+    args = (_weight(bias), n_group, topk_group, normalize, scale, h_np, x_np, i, w)
+    _k.moe_gate_input(_np(o), w_o, _np(h), _weight(post_norm), eps, gate, experts, *args)
+    return h_out, x, idx, weights
 
 
 def gated_mlp(

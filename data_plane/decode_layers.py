@@ -446,6 +446,23 @@ def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate_up[..., :inter]) * gate_up[..., inter:]
 
 
+def moe_input(
+    w: DecodeLayerWeights, c: ModelConfig, h: torch.Tensor, o_latent: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A MoE layer from the merged o_latent [T, H, kv_lora] to its gate: h + attention output [T, D], the FFN input
+    x [T, D], topk_idx int64 [T, k], topk_weights fp32 [T, k] (add_attention_output, ffn_input and moe_gate; one
+    kernel call for a decode batch on the fp32 CPU path)."""
+    a = w.attn
+    if a.w_uv is None and a.w_o.takes(h) and w.gate.takes(h) and w.post_attention_norm.dtype == torch.float32:
+        o = o_latent.reshape(h.shape[0], -1)
+        k, scale = c.num_experts_per_tok, c.routed_scaling_factor
+        gate = (w.gate.panels, w.gate.shape[1], w.gate_bias, c.n_group, c.topk_group, k, c.norm_topk_prob, scale)
+        return cpu_kernels.moe_gate_input(o, a.w_o.panels, h, w.post_attention_norm, c.rms_norm_eps, *gate)
+    h = add_attention_output(w, h, o_latent)
+    x = ffn_input(w, c, h)
+    return (h, x, *moe_gate(w, c, x))
+
+
 def moe_gate(w: DecodeLayerWeights, c: ModelConfig, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [T, D] -> topk_idx int64 [T, k], topk_weights fp32 [T, k] (as models.moe_gate)."""
     t = x.shape[0]

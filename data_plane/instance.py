@@ -63,7 +63,7 @@ from .decode_layers import (
     ffn_input,
     final_logits,
     grouped_experts,
-    moe_gate,
+    moe_input,
     project,
 )
 from .experts import expert_slots, owned_experts
@@ -357,11 +357,14 @@ class DecodeInstance:
                 self.res_route.send(tables.res_send, torch.cat([o.float(), lse[..., None]], dim=-1), seq)
         if tables.res_sources:
             yield Wait(self.res_route.wait_flags(tables.res_sources, seq))
+        routed = None
         with timing.phase("merge", i, ctx):
-            if tables.m:
+            if tables.m and w.mlp is None:  # a MoE layer: the output projection, then on to the gate in one step
+                h, *routed = moe_input(w, c, h, self._merge(o, lse, tables))
+            elif tables.m:
                 h = add_attention_output(w, h, self._merge(o, lse, tables))
         if w.mlp is None:
-            return (yield from self._moe(w, h, step, ctx))
+            return (yield from self._moe(w, h, routed, step, ctx))
         with timing.phase("dense", i, ctx):
             return add_mlp(w.mlp, ffn_input(w, c, h), h) if tables.m else h
 
@@ -378,16 +381,16 @@ class DecodeInstance:
         received = self.res_route.recv[: tables.n_res_recv]  # [r, H, kv_lora + 1]: partial o | lse
         return self.backends.kernels.merge_routed(o, lse, received, tables.merge_index)[0]
 
-    def _moe(self, w: DecodeLayerWeights, h: torch.Tensor, step: _SubStep, ctx: dict):
+    def _moe(self, w: DecodeLayerWeights, h: torch.Tensor, routed: list | None, step: _SubStep, ctx: dict):
+        """routed: the FFN input x [m, D], topk_idx [m, k], topk_weights [m, k] (moe_input); None without rows."""
         c, i, timing, dispatcher = self.model.config, w.index, self.timing, self.dispatcher
-        m = h.shape[0]
         with timing.phase("dispatch", i, ctx):
-            x = ffn_input(w, c, h) if m else h
-            if m:
-                topk_idx, topk_weights = moe_gate(w, c, x)  # [m, k]
+            if routed is not None:
+                x, topk_idx, topk_weights = routed
                 if step.write_rows is not None:  # masked rows choose no expert
                     topk_idx = topk_idx.masked_fill(~step.active[:, None], -1)
             else:
+                x = h
                 topk_idx = torch.empty(0, c.num_experts_per_tok, dtype=torch.int64, device=h.device)
                 topk_weights = torch.empty(0, c.num_experts_per_tok, dtype=torch.float32, device=h.device)
             if self.packed_moe:  # the gate's own top-k needs no check

@@ -78,6 +78,15 @@ def packed_layout(
     return n, source, tags, per_dst, result_rows.reshape(t, k)
 
 
+@dataclass
+class _InPlaceViews:
+    """Numpy views of the buffers a rank's in-place kernels read and write (every rank's mapped in this process)."""
+
+    recv: np.ndarray  # [ranks * (cap + 1), row]: this rank's `x` receive buffer
+    dispatch_blocks: list[np.ndarray]  # per rank d: [cap + 1, row], where d's `x` buffer takes this rank's block
+    combine_blocks: list[np.ndarray]  # per rank s: [cap, hidden], where s's `y` buffer takes this rank's outputs
+
+
 class PackedDispatcher:
     """Construct on every rank in the same order (buffer registration is collective)."""
 
@@ -137,13 +146,18 @@ class PackedDispatcher:
         """[ranks * (cap + 1), hidden]: the received token values (`PackedReceived.rows` index it)."""
         return self.fabric.buffer(self._names["x"])[:, : self.hidden]
 
-    def _numpy_views(self) -> tuple[np.ndarray, list[np.ndarray]] | None:
-        """`in_place_combine`'s arrays, made once: fp32 on the CPU with every rank's `y` buffer mapped here."""
-        x, ys = self.fabric.buffer(self._names["x"]), self._targets["y"]
-        if self.dtype != torch.float32 or not x.is_cpu or any(y is None or not y.is_cpu for y in ys):
+    def _numpy_views(self) -> _InPlaceViews | None:
+        """The buffers the in-place kernels write, as numpy views made once: fp32 on the CPU with every rank's
+        buffers mapped here."""
+        targets = self._targets["x"] + self._targets["y"]
+        if self.dtype != torch.float32 or any(b is None or not b.is_cpu for b in targets):
             return None
-        block = slice(self.fabric.rank * self.cap, (self.fabric.rank + 1) * self.cap)
-        return x.numpy(), [y[block].numpy() for y in ys]
+        rank, cap = self.fabric.rank, self.cap
+        return _InPlaceViews(
+            recv=self.fabric.buffer(self._names["x"]).numpy(),
+            dispatch_blocks=[x[rank * (cap + 1) : (rank + 1) * (cap + 1)].numpy() for x in self._targets["x"]],
+            combine_blocks=[y[rank * cap : (rank + 1) * cap].numpy() for y in self._targets["y"]],
+        )
 
     @property
     def in_place_combine(self) -> tuple[np.ndarray, list[np.ndarray]] | None:
@@ -152,7 +166,8 @@ class PackedDispatcher:
         sources sent and writes the outputs where their combine reads them (cpu_kernels.received_expert_mlp; then
         `combine_sent`). None where that cannot be done in place (not fp32 on the CPU, a peer's buffer reachable by
         put only, or the fused kernels switched off)."""
-        return self._in_place if cpu_kernels.usable(self._empty_header) else None
+        views = self._in_place if cpu_kernels.usable(self._empty_header) else None
+        return None if views is None else (views.recv, views.combine_blocks)
 
     def _tags(self, rows: torch.Tensor) -> torch.Tensor:
         """The tag column of `x` rows [n, row] as a [n] integer view."""
@@ -170,6 +185,11 @@ class PackedDispatcher:
         self._seq += 1
         rank, ranks = self.fabric.rank, self.fabric.world_size
         t, k = idx.shape
+        if self._in_place is not None and cpu_kernels.usable(x):  # layout and rows straight into every peer's buffer
+            result_rows = np.empty((t, k), dtype=np.int64)
+            cpu_kernels.pack_dispatch(x, idx, self.num_experts, self.cap, self._in_place.dispatch_blocks, result_rows)
+            self._signal_peers(self.dispatch_flag, self._seq)
+            return PackedPending(self._seq, t, k, torch.from_numpy(result_rows))
         if t == 0:  # nothing to send: every peer gets an empty block (its header says 0)
             for d in range(ranks):
                 self._put(d, "x", rank * (self.cap + 1), self._empty_header)

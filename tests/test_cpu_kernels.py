@@ -704,3 +704,23 @@ def _empty_batch(name: str) -> tuple[torch.Tensor, tuple[int, ...]]:
 def test_an_empty_batch_gives_an_empty_result(name):
     got, shape = _empty_batch(name)
     assert tuple(got.shape) == shape
+
+
+def test_moe_gate_input_rejects_mismatched_shapes():
+    gen = torch.Generator().manual_seed(13)
+    o, h, norm = randn(gen, 3, 32), randn(gen, 3, 16), randn(gen, 16)
+    w_o, gate, bias = (
+        cpu_kernels.pack_panels(randn(gen, 32, 16)),
+        cpu_kernels.pack_panels(randn(gen, 16, 8)),
+        randn(gen, 8),
+    )
+    args = (4, 2, 2, True, 2.5)
+    cpu_kernels.moe_gate_input(o, w_o, h, norm, 1e-6, gate, 8, bias, *args)
+    with pytest.raises(
+        ValueError, match=r"o \[T, H \* kv_lora\], h, h_out, x_out \[T, D\] and post_norm \[D\] disagree"
+    ):
+        cpu_kernels.moe_gate_input(o, w_o, h, randn(gen, 15), 1e-6, gate, 8, bias, *args)
+    with pytest.raises(ValueError, match=r"moe_gate_input: w_o: panels must be"):
+        cpu_kernels.moe_gate_input(randn(gen, 3, 24), w_o, h, norm, 1e-6, gate, 8, bias, *args)
+    with pytest.raises(ValueError, match="moe_gate_input: bias must have one value per expert"):
+        cpu_kernels.moe_gate_input(o, w_o, h, norm, 1e-6, gate, 8, randn(gen, 9), *args)

@@ -78,6 +78,24 @@ def test_projection_and_output_equal_the_reference(prepared, rows):
         assert rel_err(dl.ffn_input(w, c, h), post_attention_norm(layer, h)) < 1e-6
 
 
+@pytest.mark.parametrize("rows", [1, 6, 33])
+def test_moe_input_equals_output_projection_norm_and_gate_step_by_step(prepared, rows):
+    """moe_input (one kernel call on the fp32 CPU path) gives bit for bit what add_attention_output, ffn_input and
+    moe_gate give one after the other."""
+    model, weights = prepared
+    c = model.config
+    gen = torch.Generator().manual_seed(rows)
+    for w in (w for w in weights.layers if w.mlp is None):
+        h = torch.randn(rows, c.hidden_size, generator=gen)
+        o = torch.randn(rows, c.num_attention_heads, c.kv_lora_rank, generator=gen)
+        h_want = dl.add_attention_output(w, h, o)
+        x_want = dl.ffn_input(w, c, h_want)
+        idx_want, weights_want = dl.moe_gate(w, c, x_want)
+        h_got, x_got, idx_got, weights_got = dl.moe_input(w, c, h, o)
+        assert torch.equal(h_got, h_want) and torch.equal(x_got, x_want)
+        assert torch.equal(idx_got, idx_want) and torch.equal(weights_got, weights_want)
+
+
 @pytest.mark.parametrize("rows", [1, 7])
 def test_projection_stores_each_rows_kv_in_its_slot(prepared, rows):
     """project(..., store): the same q and kv, each row's kv also in its slot of the pages (-1: none stored),

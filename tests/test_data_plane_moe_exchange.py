@@ -178,6 +178,22 @@ def test_fused_dispatch_layout_equals_the_numpy_layout(ranks, experts_per_rank, 
     if want[0]:
         with pytest.raises(ValueError, match="exceed its capacity"):
             cpu_kernels.moe_dispatch_layout(idx, num_experts, ranks, 0)
+    # the one-pass form writes each rank's block (header, then its rows) where that rank's buffer takes it
+    hidden = 8
+    x = torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(seed + 1))
+    blocks = [np.full((cap + 1, hidden + 1), np.nan, dtype=np.float32) for _ in range(ranks)]
+    result_rows = np.empty_like(want[4])
+    cpu_kernels.pack_dispatch(x, idx, num_experts, cap, blocks, result_rows)
+    assert np.array_equal(result_rows, want[4])
+    first = 0
+    for block, count in zip(blocks, want[3].tolist()):
+        assert block[0, hidden:].view(np.int32)[0] == count
+        pairs = slice(first + 1, first + 1 + count)
+        assert np.array_equal(block[1 : 1 + count, :hidden], x[torch.from_numpy(want[1][pairs])].numpy())
+        assert np.array_equal(block[1 : 1 + count, hidden:].view(np.int32)[:, 0], want[2][pairs])
+        first += 1 + count
+    with pytest.raises(ValueError, match=rf"blocks\[0\] must be \[{cap + 1}, {hidden + 1}\]"):
+        cpu_kernels.pack_dispatch(x, idx, num_experts, cap, [b[:, 1:] for b in blocks], result_rows)
 
 
 def test_packed_exchange_combines_alike_on_both_paths(cpu_kernel_path):

@@ -290,32 +290,21 @@ void silu_mul(F32<2> gate_up, F32<2> out) {
   for (int64_t r = 0; r < t; ++r) silu_mul_row(gate_up.data() + r * gate_up.stride(0), out.data() + r * out.stride(0), inter);
 }
 
-// DeepSeek-V3's gate after its GEMM: logits [T, E] -> topk_idx [T, k] (descending choice score), topk_w [T, k].
-// scores = sigmoid(logits); choice = scores + bias; with n_group > 1 only the topk_group groups with the largest
-// sums of their two best choices compete; the weights are the chosen scores, normalised to sum 1 when
-// `normalize`, times `scale`. Ties go to the lower expert id.
-void moe_gate_topk(F32<2> logits, F32<1> bias, int64_t n_group, int64_t topk_group, bool normalize, float scale,
-                   I64<2> topk_idx, F32<2> topk_w) {
-  require_rows(logits, "logits");
-  require_rows(bias, "bias");
-  const int64_t t = logits.shape(0), e = logits.shape(1), k = topk_idx.shape(1);
-  REQUIRE(static_cast<int64_t>(bias.shape(0)) == e, "moe_gate_topk: bias must have one value per expert");
-  REQUIRE(n_group >= 1 && e % n_group == 0 && topk_group >= 1 && topk_group <= n_group,
-          "moe_gate_topk: bad grouping (n_group " + std::to_string(n_group) + ", topk_group " +
-              std::to_string(topk_group) + ", " + std::to_string(e) + " experts)");
-  const int64_t per_group = e / n_group;
-  REQUIRE(k >= 1 && k <= topk_group * per_group && (n_group == 1 || per_group >= 2),
-          "moe_gate_topk: top-k " + std::to_string(k) + " does not fit the allowed groups");
-  REQUIRE(static_cast<int64_t>(topk_idx.shape(0)) == t && topk_w.shape(0) == topk_idx.shape(0) &&
-              topk_w.shape(1) == topk_idx.shape(1),
-          "moe_gate_topk: topk_idx and topk_w must both be [T, k]");
+// DeepSeek-V3's gate after its GEMM, on rows: logits [T, E] (rows logits_stride apart) -> topk_idx [T, k]
+// (descending choice score), topk_w [T, k]. scores = sigmoid(logits); choice = scores + bias; with n_group > 1 only
+// the topk_group groups with the largest sums of their two best choices compete; the weights are the chosen
+// scores, normalised to sum 1 when `normalize`, times `scale`. Ties go to the lower expert id.
+void gate_topk_rows(const float* logits, int64_t logits_stride, int64_t t, int64_t e, const float* bias,
+                    int64_t n_group, int64_t topk_group, bool normalize, float scale, I64<2>& topk_idx,
+                    F32<2>& topk_w) {
+  const int64_t k = topk_idx.shape(1), per_group = e / n_group;
   std::vector<float> scores(e), choice(e), group_score(n_group);
   std::vector<char> allowed(e);
   for (int64_t r = 0; r < t; ++r) {
-    const float* z = logits.data() + r * logits.stride(0);
+    const float* z = logits + r * logits_stride;
     for (int64_t j = 0; j < e; ++j) {
       scores[j] = 1.0f / (1.0f + fast_exp(-z[j]));
-      choice[j] = scores[j] + bias.data()[j];
+      choice[j] = scores[j] + bias[j];
     }
     std::fill(allowed.begin(), allowed.end(), 1);
     if (n_group > 1) {
@@ -359,6 +348,32 @@ void moe_gate_topk(F32<2> logits, F32<1> bias, int64_t n_group, int64_t topk_gro
   }
 }
 
+void require_gate(int64_t t, int64_t e, const F32<1>& bias, int64_t n_group, int64_t topk_group,
+                  const I64<2>& topk_idx, const F32<2>& topk_w, const char* what) {
+  require_rows(bias, "bias");
+  const int64_t k = topk_idx.shape(1);
+  REQUIRE(static_cast<int64_t>(bias.shape(0)) == e, std::string(what) + ": bias must have one value per expert");
+  REQUIRE(n_group >= 1 && e % n_group == 0 && topk_group >= 1 && topk_group <= n_group,
+          std::string(what) + ": bad grouping (n_group " + std::to_string(n_group) + ", topk_group " +
+              std::to_string(topk_group) + ", " + std::to_string(e) + " experts)");
+  const int64_t per_group = e / n_group;
+  REQUIRE(k >= 1 && k <= topk_group * per_group && (n_group == 1 || per_group >= 2),
+          std::string(what) + ": top-k " + std::to_string(k) + " does not fit the allowed groups");
+  REQUIRE(static_cast<int64_t>(topk_idx.shape(0)) == t && topk_w.shape(0) == topk_idx.shape(0) &&
+              topk_w.shape(1) == topk_idx.shape(1),
+          std::string(what) + ": topk_idx and topk_w must both be [T, k]");
+}
+
+// gate_topk_rows over logits [T, E].
+void moe_gate_topk(F32<2> logits, F32<1> bias, int64_t n_group, int64_t topk_group, bool normalize, float scale,
+                   I64<2> topk_idx, F32<2> topk_w) {
+  require_rows(logits, "logits");
+  const int64_t t = logits.shape(0), e = logits.shape(1);
+  require_gate(t, e, bias, n_group, topk_group, topk_idx, topk_w, "moe_gate_topk");
+  gate_topk_rows(logits.data(), t ? logits.stride(0) : 0, t, e, bias.data(), n_group, topk_group, normalize, scale,
+                 topk_idx, topk_w);
+}
+
 // out[t] = base[t] + sum_j weights[t, j] * y[rows[t, j]] in fp32; a row < 0 contributes nothing.
 // base may be out (in place).
 void weighted_combine(F32<2> y, I64<2> rows, F32<2> weights, F32<2> base, F32<2> out) {
@@ -394,27 +409,21 @@ void weighted_combine(F32<2> y, I64<2> rows, F32<2> weights, F32<2> base, F32<2>
 
 // ---- MoE exchange bookkeeping ----------------------------------------------------------------------------------
 
-// The packed dispatch layout (data_plane/moe_exchange.py): topk_idx [T, k] (-1 = no expert) -> the payload this
-// rank sends, every peer's block back to back: per destination rank a header row then its (token, expert) pairs
-// sorted by (expert, token). Writes source [n + ranks] (token of each payload row; 0 for headers), tags
-// [n + ranks] (local expert of each pair; the pair count in each header), per_dst [ranks] and result_rows [T, k]
-// (row of each pair's result in the sender's combine buffer: dst * cap + index within dst's block; -1 = none).
-// Returns n, the number of pairs.
-int64_t moe_dispatch_layout(I64<2> topk_idx, int64_t num_experts, int64_t ranks, int64_t cap, I64<1> source,
-                            I64<1> tags, I64<1> per_dst, I64<2> result_rows) {
-  const int64_t t = topk_idx.shape(0), k = topk_idx.shape(1);
+// The packed dispatch layout (data_plane/moe_exchange.py): topk_idx [T, k] (-1 = no expert; rows idx_stride apart,
+// contiguous within) -> the payload this rank sends, every peer's block back to back: per destination rank a header
+// row then its (token, expert) pairs sorted by (expert, token). Writes source [n + ranks] (token of each payload
+// row; 0 for headers), tags [n + ranks] (local expert of each pair; the pair count in each header), per_dst [ranks]
+// and result_rows [T, k] (rows rr_stride apart: row of each pair's result in the sender's combine buffer, dst * cap
+// + index within dst's block; -1 = none). Returns n, the number of pairs.
+int64_t dispatch_layout(const int64_t* topk_idx, int64_t idx_stride, int64_t t, int64_t k, int64_t num_experts,
+                        int64_t ranks, int64_t cap, int64_t* source, int64_t* tags, int64_t* per_dst,
+                        int64_t* result_rows, int64_t rr_stride) {
   REQUIRE(ranks >= 1 && num_experts % ranks == 0, "moe_dispatch_layout: experts must split evenly over the ranks");
-  REQUIRE(static_cast<int64_t>(source.shape(0)) >= t * k + ranks && tags.shape(0) == source.shape(0) &&
-              static_cast<int64_t>(per_dst.shape(0)) == ranks && result_rows.shape(0) == topk_idx.shape(0) &&
-              result_rows.shape(1) == topk_idx.shape(1),
-          "moe_dispatch_layout: output buffers have the wrong shapes");
-  REQUIRE(t == 0 || k == 1 || (topk_idx.stride(1) == 1 && result_rows.stride(1) == 1),
-          "moe_dispatch_layout: rows must be contiguous");
   const int64_t lx = num_experts / ranks;
   std::vector<int64_t> count(num_experts, 0);
   for (int64_t r = 0; r < t; ++r)
     for (int64_t j = 0; j < k; ++j) {
-      const int64_t e = topk_idx.data()[r * topk_idx.stride(0) + j];
+      const int64_t e = topk_idx[r * idx_stride + j];
       REQUIRE(e >= -1 && e < num_experts, "moe_dispatch_layout: expert id " + std::to_string(e) + " outside [-1, " +
                                               std::to_string(num_experts) + ")");
       if (e >= 0) ++count[e];
@@ -427,9 +436,9 @@ int64_t moe_dispatch_layout(I64<2> topk_idx, int64_t num_experts, int64_t ranks,
     for (int64_t e = d * lx; e < (d + 1) * lx; ++e) pairs += count[e];
     REQUIRE(pairs <= cap, "moe_dispatch_layout: " + std::to_string(pairs) + " pairs for rank " + std::to_string(d) +
                               " exceed its capacity " + std::to_string(cap));
-    per_dst.data()[d] = pairs;
-    source.data()[row] = 0;
-    tags.data()[row] = pairs;
+    per_dst[d] = pairs;
+    source[row] = 0;
+    tags[row] = pairs;
     ++row;
     for (int64_t e = d * lx; e < (d + 1) * lx; ++e) {
       next[e] = row;
@@ -440,22 +449,45 @@ int64_t moe_dispatch_layout(I64<2> topk_idx, int64_t num_experts, int64_t ranks,
   std::vector<int64_t> block_start(ranks);  // payload row of each rank's header
   for (int64_t d = 0, at = 0; d < ranks; ++d) {
     block_start[d] = at;
-    at += per_dst.data()[d] + 1;
+    at += per_dst[d] + 1;
   }
   for (int64_t r = 0; r < t; ++r)
     for (int64_t j = 0; j < k; ++j) {
-      const int64_t e = topk_idx.data()[r * topk_idx.stride(0) + j];
-      int64_t* out = result_rows.data() + r * result_rows.stride(0) + j;
+      const int64_t e = topk_idx[r * idx_stride + j];
+      int64_t* out = result_rows + r * rr_stride + j;
       if (e < 0) {
         *out = -1;
         continue;
       }
       const int64_t d = e / lx, at = next[e]++;
-      source.data()[at] = r;
-      tags.data()[at] = e - d * lx;
+      source[at] = r;
+      tags[at] = e - d * lx;
       *out = d * cap + (at - block_start[d] - 1);
     }
   return n;
+}
+
+// dispatch_layout on arrays: source / tags [>= T * k + ranks], per_dst [ranks], result_rows [T, k].
+int64_t moe_dispatch_layout(I64<2> topk_idx, int64_t num_experts, int64_t ranks, int64_t cap, I64<1> source,
+                            I64<1> tags, I64<1> per_dst, I64<2> result_rows) {
+  const int64_t t = topk_idx.shape(0), k = topk_idx.shape(1);
+  REQUIRE(ranks >= 1, "moe_dispatch_layout: experts must split evenly over the ranks");
+  REQUIRE(static_cast<int64_t>(source.shape(0)) >= t * k + ranks && tags.shape(0) == source.shape(0) &&
+              static_cast<int64_t>(per_dst.shape(0)) == ranks && result_rows.shape(0) == topk_idx.shape(0) &&
+              result_rows.shape(1) == topk_idx.shape(1) && source.stride(0) == 1 && tags.stride(0) == 1 &&
+              per_dst.stride(0) == 1,
+          "moe_dispatch_layout: output buffers have the wrong shapes");
+  REQUIRE(t == 0 || k == 1 || (topk_idx.stride(1) == 1 && result_rows.stride(1) == 1),
+          "moe_dispatch_layout: rows must be contiguous");
+  return dispatch_layout(topk_idx.data(), t ? topk_idx.stride(0) : 0, t, k, num_experts, ranks, cap, source.data(),
+                         tags.data(), per_dst.data(), result_rows.data(), t ? result_rows.stride(0) : 0);
+}
+
+// One payload row: [x row | tag], the tag an int32 in the float slot after the hidden values.
+inline void pack_row(const float* x, int64_t hidden, int64_t tag, float* row) {
+  std::memcpy(row, x, hidden * sizeof(float));
+  const int32_t value = static_cast<int32_t>(tag);
+  std::memcpy(row + hidden, &value, sizeof value);
 }
 
 // The rows of a dispatch payload (data_plane/moe_exchange.py): out[i] = [x[source[i]] | tags[i]], the hidden values
@@ -472,10 +504,39 @@ void pack_dispatch_rows(F32<2> x, I64<1> source, I64<1> tags, F32<2> out) {
     const int64_t src = source.data()[i * source.stride(0)];
     REQUIRE(src >= 0 && src < t, "pack_dispatch_rows: source row " + std::to_string(src) + " outside x's " +
                                      std::to_string(t) + " rows");
-    float* row = out.data() + i * out.stride(0);
-    std::memcpy(row, x.data() + src * x.stride(0), hidden * sizeof(float));
-    const int32_t tag = static_cast<int32_t>(tags.data()[i * tags.stride(0)]);
-    std::memcpy(row + hidden, &tag, sizeof tag);
+    pack_row(x.data() + src * x.stride(0), hidden, tags.data()[i * tags.stride(0)], out.data() + i * out.stride(0));
+  }
+}
+
+// The whole packed dispatch in one pass: the layout of topk_idx [T, k] (dispatch_layout), each destination rank
+// d's block (header row, then its pairs' [x row | local expert] rows) written into blocks[d] [cap + 1, hidden + 1]
+// (where d's receive buffer takes this rank's block), result_rows [T, k] as dispatch_layout's.
+void pack_dispatch(F32<2> x, I64<2> topk_idx, int64_t num_experts, int64_t cap, std::vector<F32<2>> blocks,
+                   I64<2> result_rows) {
+  require_rows(x, "x");
+  const int64_t t = topk_idx.shape(0), k = topk_idx.shape(1), ranks = blocks.size(), hidden = x.shape(1);
+  REQUIRE(static_cast<int64_t>(x.shape(0)) == t && result_rows.shape(0) == topk_idx.shape(0) &&
+              result_rows.shape(1) == topk_idx.shape(1),
+          "pack_dispatch: x [T, hidden], topk_idx [T, k] and result_rows [T, k] disagree");
+  REQUIRE(t == 0 || k == 1 || (topk_idx.stride(1) == 1 && result_rows.stride(1) == 1),
+          "pack_dispatch: rows must be contiguous");
+  for (int64_t d = 0; d < ranks; ++d) {
+    require_rows(blocks[d], "blocks");
+    REQUIRE(static_cast<int64_t>(blocks[d].shape(0)) == cap + 1 &&
+                static_cast<int64_t>(blocks[d].shape(1)) == hidden + 1,
+            "pack_dispatch: blocks[" + std::to_string(d) + "] must be " + shape_of(cap + 1, hidden + 1));
+  }
+  std::vector<int64_t> source(t * k + ranks), tags(t * k + ranks), per_dst(ranks);
+  dispatch_layout(topk_idx.data(), t ? topk_idx.stride(0) : 0, t, k, num_experts, ranks, cap, source.data(),
+                  tags.data(), per_dst.data(), result_rows.data(), t ? result_rows.stride(0) : 0);
+  for (int64_t d = 0, at = 0; d < ranks; ++d) {
+    float* out = blocks[d].data();
+    const int64_t stride = blocks[d].stride(0);
+    const int32_t header = static_cast<int32_t>(per_dst[d]);  // the header's values are never read
+    std::memcpy(out + hidden, &header, sizeof header);
+    for (int64_t i = 1; i <= per_dst[d]; ++i)
+      pack_row(x.data() + source[at + i] * x.stride(0), hidden, tags[at + i], out + i * stride);
+    at += per_dst[d] + 1;
   }
 }
 
@@ -620,6 +681,46 @@ void gated_mlp(F32<2> x, F32<3> gate_up_panels, F32<3> down_panels, int64_t inte
   }
   const std::vector<const float*> b = base_rows(base, out, "gated_mlp");
   gemm_panels(t, dim, inter, a.data(), down_panels.data(), base ? b.data() : nullptr, c.data());
+}
+
+// A MoE layer from its merged attention output to its gate in one pass (decode_layers.moe_input):
+//   h_out [T, D] = h + o [T, H * kv_lora] @ W_o;  x_out [T, D] = RMSNorm(h_out, post_norm);
+//   topk_idx, topk_w [T, k] = the gate (gate_topk_rows) of x_out @ W_gate [T, E].
+// W_o [H * kv_lora, D] and W_gate [D, E] as panels. h_out may be h (in place).
+void moe_gate_input(F32<2> o, F32<3> w_o_panels, F32<2> h, F32<1> post_norm, float eps, F32<3> gate_panels,
+                    int64_t experts, F32<1> bias, int64_t n_group, int64_t topk_group, bool normalize, float scale,
+                    F32<2> h_out, F32<2> x_out, I64<2> topk_idx, F32<2> topk_w) {
+  require_rows(o, "o");
+  require_rows(h, "h");
+  require_rows(h_out, "h_out");
+  require_rows(x_out, "x_out");
+  require_rows(post_norm, "post_norm");
+  const int64_t t = o.shape(0), dim = h.shape(1);
+  REQUIRE(static_cast<int64_t>(h.shape(0)) == t && h_out.shape(0) == h.shape(0) && h_out.shape(1) == h.shape(1) &&
+              x_out.shape(0) == h.shape(0) && x_out.shape(1) == h.shape(1) &&
+              static_cast<int64_t>(post_norm.shape(0)) == dim,
+          "moe_gate_input: o [T, H * kv_lora], h, h_out, x_out [T, D] and post_norm [D] disagree");
+  require_panels(w_o_panels, o.shape(1), dim, "moe_gate_input: w_o");
+  require_panels(gate_panels, dim, experts, "moe_gate_input: gate");
+  require_gate(t, experts, bias, n_group, topk_group, topk_idx, topk_w, "moe_gate_input");
+  std::vector<const float*> a(t), base(t);
+  std::vector<float*> c(t);
+  for (int64_t r = 0; r < t; ++r) {
+    a[r] = o.data() + r * o.stride(0);
+    base[r] = h.data() + r * h.stride(0);
+    c[r] = h_out.data() + r * h_out.stride(0);
+  }
+  gemm_panels(t, dim, o.shape(1), a.data(), w_o_panels.data(), base.data(), c.data());
+  std::vector<float> logits(t * experts);
+  for (int64_t r = 0; r < t; ++r) {
+    float* x = x_out.data() + r * x_out.stride(0);
+    rms_norm_row(c[r], post_norm.data(), eps, x, dim);
+    a[r] = x;
+    c[r] = logits.data() + r * experts;
+  }
+  gemm_panels(t, experts, dim, a.data(), gate_panels.data(), nullptr, c.data());
+  gate_topk_rows(logits.data(), experts, t, experts, bias.data(), n_group, topk_group, normalize, scale, topk_idx,
+                 topk_w);
 }
 
 // MLA's projection of decode rows with the absorbed query (decode_layers.project's steps in one pass), h [T, D] ->
@@ -1066,6 +1167,10 @@ NB_MODULE(_cpu_kernels, m) {
   m.def("mla_project", &mla_project, array("h"), array("input_norm"), nb::arg("eps"), array("qkv_a_panels"),
         array("q_norm"), array("kv_norm"), nb::arg("latent_eps"), array("rope_cs"), array("q_b_panels"),
         array("q_out"), array("kv_out"), array("kv_cache").none() = nb::none(), array("kv_slots").none() = nb::none());
+  m.def("moe_gate_input", &moe_gate_input, array("o"), array("w_o_panels"), array("h"), array("post_norm"),
+        nb::arg("eps"), array("gate_panels"), nb::arg("experts"), array("bias"), nb::arg("n_group"),
+        nb::arg("topk_group"), nb::arg("normalize"), nb::arg("scale"), array("h_out"), array("x_out"),
+        array("topk_idx"), array("topk_w"));
   m.def("gated_mlp", &gated_mlp, array("x"), array("gate_up_panels"), array("down_panels"), nb::arg("inter"),
         array("base").none(), array("out"));
   m.def("linear_panels", &linear_panels, array("x"), array("panels"), nb::arg("n"), array("base").none(),
@@ -1073,6 +1178,8 @@ NB_MODULE(_cpu_kernels, m) {
   m.def("mla_paged_attention", &mla_paged_attention, array("q"), array("kv_pages"), array("block_table"),
         array("lens"), nb::arg("scale"), array("o"), array("lse"));
   m.def("pack_dispatch_rows", &pack_dispatch_rows, array("x"), array("source"), array("tags"), array("out"));
+  m.def("pack_dispatch", &pack_dispatch, array("x"), array("topk_idx"), nb::arg("num_experts"), nb::arg("cap"),
+        array("blocks"), array("result_rows"));
   m.def("weighted_combine", &weighted_combine, array("y"), array("rows"), array("weights"), array("base"),
         array("out"));
 }
