@@ -47,7 +47,8 @@ class BlockTableStore:
         device = torch.device(device)
         # On CPU the device table is the host array itself; elsewhere a copy kept in step by `apply`.
         host = torch.from_numpy(self.host)
-        self.table = host if device.type == "cpu" else host.to(device)
+        self.on_host = device.type == "cpu"
+        self.table = host if self.on_host else host.to(device)
         self.seq = EMPTY_STORE  # sequence (iteration) of the last table applied
 
     @classmethod
@@ -89,7 +90,7 @@ class BlockTableStore:
         updates = table.updates  # [u, 3]: slot, block, frame
         if len(updates):
             self.host[updates[:, 0], updates[:, 1]] = updates[:, 2]
-            if self.table.device.type != "cpu":
+            if not self.on_host:
                 u = torch.from_numpy(np.ascontiguousarray(updates)).to(self.table.device, torch.int64)
                 self.table[u[:, 0], u[:, 1]] = u[:, 2].to(torch.int32)
         self.seq = table.iteration

@@ -540,25 +540,31 @@ class _IterationTables:
             raise ValueError("a MoE row has no local tail shard (its new tokens must be written on its MoE instance)")
         width = max(1, t.max_blocks)
         host_blocks = store.host[shards[:, 3], :width]  # [s, width] (a copy)
-        on_host = store.table.device.type == "cpu"
-        block_table = torch.from_numpy(host_blocks) if on_host else store.rows(t.shards[:, 3], width)
+        block_table = torch.from_numpy(host_blocks) if store.on_host else store.rows(t.shards[:, 3], width)
         source = shards[:, 1]
         local = source < 0
+        rows = np.arange(max(m, s))
         moe_row = np.full(s, -1, dtype=np.int64)
-        moe_row[tail] = np.arange(m)
+        moe_row[tail] = rows[:m]
         if (moe_row[local] < 0).any():
             raise ValueError("a local shard belongs to no MoE row of this instance")
-        q_index = np.where(local, moe_row, m + source)
-        remote = ~local
-        q_recv_rows = int(source[remote].max()) + 1 if remote.any() else 0
-        identity = s == m and not remote.any() and bool((q_index == np.arange(s)).all())
-        res_recv = t.res_recv.astype(np.int64)
-        device = block_table.device
+        all_local = bool(local.all())
+        if all_local:  # the common case: no query comes from another instance
+            q_index, q_recv_rows = moe_row, 0
+            identity = s == m and bool((moe_row == rows[:s]).all())  # then tail is the identity as well
+        else:
+            q_index = np.where(local, moe_row, m + source)
+            q_recv_rows = int(source[~local].max()) + 1
+            identity = False
+        tail_identity = identity or (s == m and bool((tail == rows[:m]).all()))
+        batch_indices = moe[:, 0].tolist()
+        device = None if store.on_host else block_table.device
+        res_recv = t.res_recv.astype(np.int64) if len(t.res_recv) else None
         return cls(
             m=m,
             s=s,
-            batch_indices=moe[:, 0].tolist(),
-            row_of={b: r for r, b in enumerate(moe[:, 0].tolist())},
+            batch_indices=batch_indices,
+            row_of=dict(zip(batch_indices, range(m))),
             first=moe[:, 1],
             window=moe[:, 3],
             tail=tail,
@@ -567,14 +573,14 @@ class _IterationTables:
             block_table=block_table,
             page_size=page_size,
             q_send=_send_list(t.q_send),
-            q_sources=sorted(set(t.q_recv[:, 0].tolist())),
-            shard_q_index=None if identity else torch.from_numpy(q_index).to(device),
+            q_sources=sorted(set(t.q_recv[:, 0].tolist())) if len(t.q_recv) else [],
+            shard_q_index=None if identity else _tensor(q_index, device),
             q_recv_rows=q_recv_rows,
             res_send=_send_list(t.res_send),
-            res_sources=sorted(set(t.res_recv[:, 0].tolist())),
-            n_res_recv=len(res_recv),
-            tail_index=None if s == m and bool((tail == np.arange(m)).all()) else torch.from_numpy(tail).to(device),
-            merge_index=_merge_index(tail, res_recv[:, 1], s).to(device) if len(res_recv) else None,
+            res_sources=sorted(set(res_recv[:, 0].tolist())) if res_recv is not None else [],
+            n_res_recv=0 if res_recv is None else len(res_recv),
+            tail_index=None if tail_identity else _tensor(tail, device),
+            merge_index=None if res_recv is None else _tensor(_merge_index(tail, res_recv[:, 1], s), device),
         )
 
     @classmethod
@@ -626,27 +632,30 @@ class _IterationTables:
         shard_lens = self.full_lens.copy()
         shard_lens[self.tail] = token_index + 1
         all_active = bool(active.all())
-        write = np.arange(self.m) if all_active else np.nonzero(active)[0]
-        index = token_index[write]
-        frames = self.host_blocks[self.tail[write], index // self.page_size].astype(np.int64)
-        slots = frames * self.page_size + index % self.page_size
+        if all_active:
+            write, index, tails = np.arange(self.m), token_index, self.tail
+        else:
+            write = np.nonzero(active)[0]
+            index, tails = token_index[write], self.tail[write]
+        slots = self.host_blocks[tails, index // self.page_size].astype(np.int64) * self.page_size
+        slots += index % self.page_size
         row_slots = slots if all_active else np.full(self.m, -1, dtype=np.int64)
         row_slots[write] = slots
         lens = torch.from_numpy(shard_lens)
         plan = None
         if self.s and hasattr(attention, "plan"):
             plan = attention.plan(self.block_table, lens, self.page_size, dtype)
-        device = self.block_table.device
+        device = None if self.block_table.is_cpu else self.block_table.device
         return _SubStep(
             j=j,
             rope=rope.at(self.first + step) if self.m else None,
-            active=torch.from_numpy(active).to(device),
+            active=_tensor(active, device),
             active_rows=write.tolist(),
-            write_rows=None if all_active else torch.from_numpy(write).to(device),
+            write_rows=None if all_active else _tensor(write, device),
             writes=len(write),
-            kv_slots=torch.from_numpy(slots).to(device),
+            kv_slots=_tensor(slots, device),
             row_slots=row_slots,
-            shard_lens=lens.to(device),
+            shard_lens=lens if device is None else lens.to(device),
             attention_plan=plan,
         )
 
@@ -672,7 +681,13 @@ def _send_list(send: np.ndarray) -> torch.Tensor | None:
     return torch.from_numpy(np.ascontiguousarray(send[:, [1, 0, 2]].astype(np.int64)))
 
 
-def _merge_index(tail: np.ndarray, owner: np.ndarray, s: int) -> torch.Tensor:
+def _tensor(a: np.ndarray, device: torch.device | None) -> torch.Tensor:
+    """a as a tensor on `device` (None: the host, sharing a's memory)."""
+    t = torch.from_numpy(a)
+    return t if device is None else t.to(device)
+
+
+def _merge_index(tail: np.ndarray, owner: np.ndarray, s: int) -> np.ndarray:
     """Parts of each moe row for kernels.merge_routed: its tail shard (index < s), then its received partials
     (s + receive row), -1 padding. owner [r]: moe row of each received partial, in receive order."""
     m = len(tail)
@@ -682,4 +697,4 @@ def _merge_index(tail: np.ndarray, owner: np.ndarray, s: int) -> torch.Tensor:
     index = np.full((m, 1 + int(column.max())), -1, dtype=np.int64)
     index[:, 0] = tail
     index[owner[order], column] = s + order
-    return torch.from_numpy(index)
+    return index
