@@ -130,6 +130,13 @@ class RoutingTables:
         )
 
 
+def moe_section(table: np.ndarray) -> np.ndarray:
+    """The `moe` rows [n_moe, 4] of a lowered table, as a view; unlike `RoutingTables.parse` it reads nothing else
+    (the section comes first) and validates nothing: for a table this process lowered."""
+    count = int(table[_COUNT_SLOT["moe"]])
+    return table[HEADER_INTS : HEADER_INTS + 4 * count].reshape(count, 4)
+
+
 def pack_tables(tables: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
     """Per-instance tables -> (every table back to back [total] int32, int64 offsets [n + 1]): the packed form a
     core's `lower_packed` returns."""

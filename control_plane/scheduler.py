@@ -20,7 +20,7 @@ from functools import cached_property
 import numpy as np
 
 from .cp_buckets import CPBucketTable
-from .lowering import ExecShape, RoutingTables, split_tables
+from .lowering import ExecShape, RoutingTables, moe_section, split_tables
 from .reference import MAX_NUM_STEPS, RUNNING, ReferenceCore, parse_policy
 from .spec import ClusterSpec, SchedulerError
 
@@ -104,7 +104,7 @@ class IterationPlan:
     @cached_property
     def batch(self) -> list[str]:
         names = self._sched._names
-        return [names[int(h)] for h in self.batch_handles]
+        return [names[h] for h in self.batch_handles.tolist()]
 
     @cached_property
     def bindings(self) -> dict[str, tuple[int, dict[int, int]]]:
@@ -129,6 +129,10 @@ class IterationPlan:
             self.tables  # noqa: B018 - lowered first (cached): it advances the incremental state
             self._full_tables = split_tables(*self._live_core().lower_packed(True))
         return self._full_tables
+
+    def moe(self, instance: int) -> np.ndarray:
+        """The instance's MoE rows [n_moe, 4] (layout in lowering.py): those of `routing(instance).moe`, read alone."""
+        return moe_section(self.tables[instance])
 
     def routing(self, instance: int) -> RoutingTables:
         return RoutingTables.parse(self.tables[instance])

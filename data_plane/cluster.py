@@ -9,12 +9,17 @@ Routing tables carry incremental block tables (control_plane/lowering.py). `run_
 full_tables=plan.full_tables)` sends an instance its incremental table only when its block-table store is known to
 hold the table that one builds on; otherwise (a fresh cluster, an instance whose last iteration failed) and when an
 instance refuses a table as stale, it sends the full snapshot. Without `full_tables` the tables go out as given.
+Each instance's row inputs come as a `RowBatch` (or a dict of RowInputs) and the sampled rows go back as
+`SampledRows`: columns, without an object per row on the driver (data_plane/row_messages.py).
 """
 
 from __future__ import annotations
 
 import gc
+import math
 import multiprocessing as mp
+import pickle
+import select
 import time
 import traceback
 import weakref
@@ -22,7 +27,6 @@ from collections.abc import Callable, Generator
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor
 from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass, field
-from multiprocessing import connection as mp_connection
 
 import numpy as np
 import torch
@@ -46,9 +50,9 @@ from .block_store import StaleBlockTableError
 from .decode_layers import DecodeWeights
 from .experts import owned_experts
 from .graph_runner import build_graph_engine
-from .instance import DecodeInstance, Handoff, InstanceLimits, RowInput, RowOutput, fabric_flags
+from .instance import DecodeInstance, Handoff, InstanceLimits, RowOutput, fabric_flags
 from .kv_pool import PagedKVPool
-from .row_messages import pack_outputs, pack_rows, unpack_outputs, unpack_rows
+from .row_messages import RowBatch, Rows, SampledRows, pack_outputs, pack_rows, unpack_rows
 from .timing import PhaseRecord, TimingLog
 
 BACKENDS = ("inline", "threads", "processes", "ray")
@@ -201,15 +205,16 @@ class ThreadCluster(_InProcessCluster):
     def run_iteration(
         self,
         tables: list[np.ndarray],
-        rows: list[dict[int, RowInput]],
+        rows: list[Rows],
         return_logits: bool = False,
         full_tables: FullTables | None = None,
-    ) -> list[RowOutput]:
+    ) -> SampledRows:
         sent = [self.feed.pick(r, tables, full_tables) for r in range(len(self.instances))]
+        inputs = [unpack_rows(r) for r in rows]
 
         def submit(r: int):
             return self._executor.submit(
-                self.instances[r].run_iteration, RoutingTables.parse(sent[r]), rows[r], return_logits
+                self.instances[r].run_iteration, RoutingTables.parse(sent[r]), inputs[r], return_logits
             )
 
         pending = {submit(r): r for r in range(len(self.instances))}
@@ -229,13 +234,12 @@ class ThreadCluster(_InProcessCluster):
                         errors.append(e)
                 except Exception as e:  # noqa: BLE001 - collected and re-raised with the root cause
                     errors.append(e)
-        outputs = [out for result in results for out in result]
         if errors:
             self.feed.forget()
             raise InstanceFailure(f"decode iteration failed: {_first_real_error(errors)!r}") from errors[0]
         for r, table in enumerate(sent):
             self.feed.held_now(r, table)
-        return outputs
+        return pack_outputs([out for result in results for out in result])
 
     def close(self) -> None:
         super().close()
@@ -255,18 +259,19 @@ class InlineCluster(_InProcessCluster):
     def run_iteration(
         self,
         tables: list[np.ndarray],
-        rows: list[dict[int, RowInput]],
+        rows: list[Rows],
         return_logits: bool = False,
         full_tables: FullTables | None = None,
         handoffs: list[list[Handoff]] | None = None,
-    ) -> list[RowOutput]:
+    ) -> SampledRows:
         """`handoffs`: per instance, kept tokens it sends to a request's new MoE instance (rows fed KEPT_TOKEN by
         an iteration run before this one)."""
         sent = [self.feed.pick(r, tables, full_tables) for r in range(len(self.instances))]
+        inputs = [unpack_rows(r) for r in rows]
 
         def start(r: int):
             table = RoutingTables.parse(sent[r])
-            return self.instances[r].iteration(table, rows[r], return_logits, handoffs[r] if handoffs else ())
+            return self.instances[r].iteration(table, inputs[r], return_logits, handoffs[r] if handoffs else ())
 
         def restart(r: int, error: StaleBlockTableError):  # refused on its first resume, before any exchange
             if not TableFeed.can_resend_full(sent[r], full_tables):
@@ -281,7 +286,7 @@ class InlineCluster(_InProcessCluster):
             raise
         for r, table in enumerate(sent):
             self.feed.held_now(r, table)
-        return outputs
+        return pack_outputs(outputs)
 
 
 def drive_cooperatively(
@@ -369,13 +374,14 @@ class Launch:
     """One iteration sent to every instance of a ProcessCluster, until `collect` has every instance's answer."""
 
     sent: list[np.ndarray]  # the table each instance got (a stale incremental one is replaced by its snapshot)
-    rows: list[dict[int, RowInput]]
+    rows: list[RowBatch]
     return_logits: bool
     full_tables: FullTables | None
     handoffs: list[list[Handoff]]  # per instance: kept tokens it sends to a request's new MoE instance
     deadline: float
     retries: list[int]  # resends so far, per instance
-    answers: dict[int, tuple] = field(default_factory=dict)  # instance -> ("ok", outputs, records) | ("error", ...)
+    # instance -> ("ok", SampledRows, timing records) | ("error", message, is a fabric timeout)
+    answers: dict[int, tuple] = field(default_factory=dict)
 
 
 class ProcessCluster(_LocalPools):
@@ -418,6 +424,11 @@ class ProcessCluster(_LocalPools):
         self._seqs = [0] * cfg.num_instances  # metadata channel sequence per instance (a resend takes a new one)
         self._given_up = [0] * cfg.num_instances  # last sequence an instance answered "resync" for
         self._waiting: dict[tuple[int, int], Launch] = {}  # (instance, sequence) -> its launch, until answered
+        # The pipes of the instances that owe an answer, in one poll object kept from call to call (a fresh wait set
+        # per call costs far more than the poll).
+        self._poller = select.poll()
+        self._polled: set[int] = set()
+        self._rank_of_fd = {conn.fileno(): r for r, conn in enumerate(self._conns)}
         self._resends: list[list[Launch]] = [[] for _ in range(cfg.num_instances)]  # due once the buffer is free
         self._outstanding: list[Launch] = []  # launched, not yet collected (oldest first)
         self._faults: dict[int, list[Fault]] = {}  # test hook: faults to inject into the next pushes
@@ -452,16 +463,16 @@ class ProcessCluster(_LocalPools):
     def run_iteration(
         self,
         tables: list[np.ndarray],
-        rows: list[dict[int, RowInput]],
+        rows: list[Rows],
         return_logits: bool = False,
         full_tables: FullTables | None = None,
-    ) -> list[RowOutput]:
+    ) -> SampledRows:
         return self.collect(self.launch(tables, rows, return_logits, full_tables))
 
     def launch(
         self,
         tables: list[np.ndarray],
-        rows: list[dict[int, RowInput]],
+        rows: list[Rows],
         return_logits: bool = False,
         full_tables: FullTables | None = None,
         handoffs: list[list[Handoff]] | None = None,
@@ -474,7 +485,7 @@ class ProcessCluster(_LocalPools):
         sent = [self.feed.pick(r, tables, full_tables) for r in range(n)]
         deadline = time.monotonic() + self.cfg.timeout_s * 2 + 5
         handoffs = handoffs or [[] for _ in range(n)]
-        launch = Launch(sent, rows, return_logits, full_tables, handoffs, deadline, [0] * n)
+        launch = Launch(sent, [pack_rows(r) for r in rows], return_logits, full_tables, handoffs, deadline, [0] * n)
         self._outstanding.append(launch)
         for r in range(n):
             self._wait_until_free(r, deadline)
@@ -483,7 +494,7 @@ class ProcessCluster(_LocalPools):
             self.feed.held_now(r, table)
         return launch
 
-    def collect(self, launch: Launch) -> list[RowOutput]:
+    def collect(self, launch: Launch) -> SampledRows:
         """Wait for every instance's answer to `launch` (the oldest outstanding iteration): its sampled rows, or
         InstanceFailure naming the first real error."""
         if not self._outstanding or self._outstanding[0] is not launch:
@@ -499,11 +510,9 @@ class ProcessCluster(_LocalPools):
             self.feed.forget()
             real = [text for _, text, is_timeout in errors if not is_timeout] or [errors[0][1]]
             raise InstanceFailure(f"decode iteration failed: {real[0]}")
-        outputs = []
         for r in range(n):
-            outputs.extend(launch.answers[r][1])
             self._records.extend(launch.answers[r][2])
-        return outputs
+        return SampledRows.concat([launch.answers[r][1] for r in range(n)])
 
     def _is_free(self, r: int) -> bool:
         """Instance r's context buffer may take a new table: it took or gave up the last one pushed."""
@@ -531,21 +540,35 @@ class ProcessCluster(_LocalPools):
             self._senders[r].push(seq, launch.sent[r].tobytes())
         self._waiting[(r, seq)] = launch
         try:
-            self._conns[r].send(("run", seq, pack_rows(launch.rows[r]), launch.return_logits, launch.handoffs[r]))
+            # Pickled plainly: nothing in it needs multiprocessing's reducers, whose table `send` copies per message.
+            message = ("run", seq, launch.rows[r], launch.return_logits, launch.handoffs[r])
+            self._conns[r].send_bytes(pickle.dumps(message))
         except OSError:  # broken pipe: the process is gone
             self._lost_instance(r)
 
     def _take_answers(self, timeout_s: float) -> bool:
         """Take the answers that arrive within timeout_s from every instance that owes one, then push the resends
         whose instance's buffer is free. False when nothing came."""
-        owing = sorted({r for r, _ in self._waiting})
-        ready = mp_connection.wait([self._conns[r] for r in owing], max(0.0, timeout_s)) if owing else []
-        for conn in ready:
-            self._take_answer(self._conns.index(conn))
+        ready = self._poll_owing(timeout_s)
+        for r in ready:
+            self._take_answer(r)
         for r in range(self.cfg.num_instances):
             while self._resends[r] and self._is_free(r):
                 self._push(self._resends[r].pop(0), r)
         return bool(ready)
+
+    def _poll_owing(self, timeout_s: float) -> list[int]:
+        """The instances that owe an answer and have one (or an EOF) to read within timeout_s, in rank order."""
+        owing = {r for r, _ in self._waiting}
+        for r in owing - self._polled:
+            self._poller.register(self._conns[r].fileno(), select.POLLIN)
+        for r in self._polled - owing:
+            self._poller.unregister(self._conns[r].fileno())
+        self._polled = owing
+        if not owing:
+            return []
+        events = self._poller.poll(math.ceil(max(0.0, timeout_s) * 1e3))
+        return sorted(self._rank_of_fd[fd] for fd, _ in events)
 
     def _take_answer(self, r: int) -> None:
         """Read one answer of instance r and file it with its launch (a table to resend is queued)."""
@@ -569,7 +592,7 @@ class ProcessCluster(_LocalPools):
             self.resyncs += 1
             self._resends[r].append(launch)
         elif kind == "ok":
-            launch.answers[r] = ("ok", unpack_outputs(msg[2]), msg[3])
+            launch.answers[r] = ("ok", msg[2], msg[3])
         elif kind == "resync":
             launch.answers[r] = ("error", f"instance {r}: routing table undeliverable ({msg[2]})", False)
         elif kind == "stale":

@@ -30,7 +30,7 @@ from nanocp.control_plane.lowering import RoutingTables
 from .block_store import StaleBlockTableError
 from .cluster import ClusterConfig, FullTables, InstanceFailure, TableFeed, allocate_pools, build_instance
 from .instance import RowInput, RowOutput, fabric_flags
-from .row_messages import PackedRows, pack_outputs, pack_rows, unpack_outputs, unpack_rows
+from .row_messages import RowBatch, pack_outputs, pack_rows, unpack_outputs, unpack_rows
 from .timing import PhaseRecord
 
 FABRICS = ("auto", "shm", "dist")
@@ -116,7 +116,7 @@ class InstanceActor:
         self.instance = build_instance(cfg, self.rank, self.fabric, pool)
         return "ok"
 
-    def run_iteration(self, table: np.ndarray, rows: PackedRows, return_logits: bool) -> tuple:
+    def run_iteration(self, table: np.ndarray, rows: RowBatch, return_logits: bool) -> tuple:
         """rows: `pack_rows` of the instance's RowInputs -> ("ok", pack_outputs(outputs), timing records),
         ("stale", text) when the instance refused an incremental table its block-table store cannot apply (before
         any exchange), or ("error", text, is_fabric_timeout)."""

@@ -21,8 +21,9 @@ import torch
 from nanocp.control_plane import Admission, ClusterSpec, CPBucketTable, GlobalScheduler, IterationPlan
 from nanocp.data_plane.cluster import ClusterConfig, InstanceFailure, make_cluster
 from nanocp.data_plane.decode_layers import DecodeWeights
-from nanocp.data_plane.instance import KEPT_TOKEN, Handoff, InstanceLimits, RowInput, RowOutput
+from nanocp.data_plane.instance import KEPT_TOKEN, Handoff, InstanceLimits
 from nanocp.data_plane.packed_prefill import PrefillOutput, prefill_packed
+from nanocp.data_plane.row_messages import RowBatch, SampledRows, pack_outputs
 from nanocp.data_plane.sampling import SamplingParams, sample_tokens
 from nanocp.data_plane.timing import PhaseRecord
 from nanocp.driver_policy import batch_policy
@@ -129,16 +130,32 @@ class _Request:
     finish_reason: str | None = None
     error: str | None = None
     stop_text_end: int | None = None  # text is cut here when a stop string matched
+    stop_ids: frozenset[int] = frozenset()  # tokens that end it: its stop_token_ids, and EOS unless ignore_eos
     resume: bool = False  # re-admitted after a cluster failure: its prefill must not sample a new first token
     key: int = -1  # stable integer key (the instances keep its last token under it)
 
 
 @dataclass
 class _MoeRows:
-    """Where an iteration's requests sample their tokens."""
+    """Where an iteration's requests sample their tokens: per instance, its MoE rows in its routing table's order,
+    and per request, its row's instance and window."""
 
+    rids: list[list[str]]  # per instance: the request of each of its MoE rows
+    batch_indices: list[list[int]]  # per instance: the batch index of each of its MoE rows
+    windows: list[list[int]]  # per instance: decode steps each of its MoE rows runs
     moe_instance: dict[str, int]  # request -> its MoE instance
     window: dict[str, int]  # request -> decode steps it runs (tokens it adds unless it stops)
+
+    @classmethod
+    def none(cls, num_instances: int) -> _MoeRows:
+        """No rows (an empty batch)."""
+        return cls(
+            [[] for _ in range(num_instances)],
+            [[] for _ in range(num_instances)],
+            [[] for _ in range(num_instances)],
+            {},
+            {},
+        )
 
 
 @dataclass
@@ -148,7 +165,7 @@ class _InFlight:
     batch: list[str]  # batch index -> request id
     rows: _MoeRows
     launch: object | None  # the cluster's handle while running; None once `outputs` are here
-    outputs: list[RowOutput] = field(default_factory=list)
+    outputs: SampledRows | None = None
 
 
 @dataclass(frozen=True)
@@ -281,6 +298,7 @@ class Engine:
             )
         self.scheduler.add_request(rid, len(prompt_ids), params.max_tokens)
         seed = params.seed if params.seed is not None else hash(rid) & 0x7FFFFFFF
+        eos = () if params.ignore_eos else self.tokenizer.eos_token_ids
         self.requests[rid] = _Request(
             rid,
             list(prompt_ids),
@@ -288,6 +306,7 @@ class Engine:
             seed,
             keep_logits,
             RequestMetrics(arrival_time=time.monotonic()),
+            stop_ids=frozenset((*params.stop_token_ids, *eos)),
             key=next(self._keys),
         )
 
@@ -320,7 +339,7 @@ class Engine:
         self.iterations += 1
         self.last_updated = []
         # lowered now: a request that ends in its prefill is still in this batch (an empty batch lowers nothing)
-        rows = self._moe_rows(plan) if plan.batch else _MoeRows({}, {})
+        rows = self._moe_rows(plan) if plan.batch else _MoeRows.none(self.spec.num_instances)
         overlapped = self._inflight is not None and self._can_overlap(plan, rows)
         if plan.admitted and self._inflight is not None:
             self.admissions_in_flight += 1
@@ -367,12 +386,13 @@ class Engine:
         return done
 
     def _moe_rows(self, plan: IterationPlan) -> _MoeRows:
-        moe_instance, window = {}, {}
-        for instance in range(self.spec.num_instances):
-            for batch_index, steps in plan.routing(instance).moe[:, [0, 3]].tolist():
-                rid = plan.batch[batch_index]
-                moe_instance[rid], window[rid] = instance, steps
-        return _MoeRows(moe_instance, window)
+        moe = [plan.moe(instance) for instance in range(self.spec.num_instances)]
+        batch_indices, windows = [m[:, 0].tolist() for m in moe], [m[:, 3].tolist() for m in moe]
+        batch = plan.batch
+        rids = [[batch[b] for b in indices] for indices in batch_indices]
+        moe_instance = {rid: instance for instance, instance_rids in enumerate(rids) for rid in instance_rids}
+        window = {rid: w for instance_rids, ws in zip(rids, windows) for rid, w in zip(instance_rids, ws)}
+        return _MoeRows(rids, batch_indices, windows, moe_instance, window)
 
     def _can_overlap(self, plan: IterationPlan, rows: _MoeRows) -> bool:
         """Whether `plan` may be sent before the iteration in flight returns. Decode growth is always safe, as each
@@ -437,45 +457,63 @@ class Engine:
         flight gets KEPT_TOKEN: its MoE instance feeds it the token it sampled last, or, when the request moved,
         the instance that sampled it hands it over first (`Handoff`)."""
         batch, n = plan.batch, self.spec.num_instances
-        pending = self._inflight.rows if self._inflight is not None else _MoeRows({}, {})
-        rows: list[dict[int, RowInput]] = [{} for _ in range(n)]
+        pending = self._inflight.rows if self._inflight is not None else _MoeRows.none(n)
         handoffs: list[list[Handoff]] = [[] for _ in range(n)]
-        received = [0] * n  # handed-over tokens per destination instance (its buffer rows)
-        for batch_index, rid in enumerate(batch):
-            req, instance = self.requests[rid], moe_rows.moe_instance[rid]
-            if rid in pending.window:
-                row = RowInput(KEPT_TOKEN, req.params, len(req.output) + pending.window[rid], req.seed, req.key)
-                before = pending.moe_instance[rid]
-                if before != instance:  # moved: the instance that sampled its token hands it over
-                    row.handoff = (before, received[instance])
-                    handoffs[before].append(Handoff(req.key, instance, received[instance]))
-                    received[instance] += 1
-            else:
-                row = RowInput(req.output[-1], req.params, len(req.output), req.seed, req.key)
-            rows[instance][batch_index] = row
+        rows = [self._row_batch(moe_rows, instance, pending, handoffs) for instance in range(n)]
         keep = any(self.requests[rid].keep_logits for rid in batch)
         inflight = _InFlight(list(batch), moe_rows, None)
         if self._guards_admissions:
-            self._record_last_pages(batch, moe_rows, pending)
+            self._record_last_pages(batch, moe_rows, rows)
         if not getattr(self.cluster, "incremental_tables", False):  # a cluster that tracks no store state
-            inflight.outputs = self.cluster.run_iteration(plan.full_tables(), rows, keep)
+            inflight.outputs = pack_outputs(self.cluster.run_iteration(plan.full_tables(), rows, keep))
         elif self.overlaps:
             inflight.launch = self.cluster.launch(plan.tables, rows, keep, plan.full_tables, handoffs)
             self.overlapped_iterations += self._inflight is not None
         else:
-            inflight.outputs = self.cluster.run_iteration(plan.tables, rows, keep, full_tables=plan.full_tables)
+            outputs = self.cluster.run_iteration(plan.tables, rows, keep, full_tables=plan.full_tables)
+            inflight.outputs = pack_outputs(outputs)
         return inflight
 
-    def _record_last_pages(self, batch: list[str], moe_rows: _MoeRows, pending: _MoeRows) -> None:
+    def _row_batch(
+        self, moe_rows: _MoeRows, instance: int, pending: _MoeRows, handoffs: list[list[Handoff]]
+    ) -> RowBatch:
+        """The inputs of the instance's MoE rows. A request with `pending` tokens (in flight) is fed KEPT_TOKEN; one
+        that moved here gets its token handed over by the instance that sampled it, into the next row of this
+        instance's handoff buffer (a Handoff appended to that instance's `handoffs`)."""
+        rids = moe_rows.rids[instance]
+        reqs = [self.requests[rid] for rid in rids]
+        in_flight = [pending.window.get(rid, 0) for rid in rids]  # tokens each request has in flight
+        moved: dict[int, tuple[int, int]] = {}  # row -> (instance that kept its token, row of the handoff buffer)
+        moved_rows = [row for row, rid in enumerate(rids) if pending.moe_instance.get(rid, instance) != instance]
+        for buffer_row, row in enumerate(moved_rows):
+            before = pending.moe_instance[rids[row]]
+            moved[row] = (before, buffer_row)
+            handoffs[before].append(Handoff(reqs[row].key, instance, buffer_row))
+        return RowBatch(
+            moe_rows.batch_indices[instance],
+            [KEPT_TOKEN if w else req.output[-1] for req, w in zip(reqs, in_flight)],
+            [len(req.output) + w for req, w in zip(reqs, in_flight)],
+            [req.seed for req in reqs],
+            [req.key for req in reqs],
+            [req.params for req in reqs],
+            moved,
+        )
+
+    def _record_last_pages(self, batch: list[str], moe_rows: _MoeRows, rows: list[RowBatch]) -> None:
         """Keep the freed-page records of this batch's requests only (no other can touch a page while it runs), and
         record the pages of each request this iteration brings to max_tokens: the scheduler frees them at the next
         plan, while the iteration may still run."""
-        in_batch = set(batch)
-        self._released_pages = {rid: p for rid, p in self._released_pages.items() if rid in in_batch}
-        for rid in batch:
-            req = self.requests[rid]
-            tokens_after = len(req.output) + pending.window.get(rid, 0) + moe_rows.window[rid]
-            if tokens_after + 1 >= req.params.max_tokens and rid in self.scheduler:
+        if self._released_pages:
+            in_batch = set(batch)
+            self._released_pages = {rid: p for rid, p in self._released_pages.items() if rid in in_batch}
+        ending = [
+            rid
+            for rids, windows, instance_rows in zip(moe_rows.rids, moe_rows.windows, rows)
+            for rid, window, output_index in zip(rids, windows, instance_rows.output_indices)
+            if output_index + window + 1 >= self.requests[rid].params.max_tokens
+        ]
+        for rid in ending:
+            if rid in self.scheduler:
                 self._released_pages[rid] = self._pages_of(rid)  # anew each time: this plan may have grown it
 
     def _collect(self) -> bool:
@@ -484,15 +522,15 @@ class Engine:
         inflight, self._inflight = self._inflight, None
         if inflight.launch is not None:
             try:
-                inflight.outputs = self.cluster.collect(inflight.launch)
+                inflight.outputs = pack_outputs(self.cluster.collect(inflight.launch))
             except InstanceFailure as e:
                 self._recover(e)
                 return False
         now = time.monotonic()
-        for out in sorted(inflight.outputs, key=lambda o: (o.batch_index, o.step)):
-            req = self.requests.get(inflight.batch[out.batch_index])
+        for batch_index, token, logits in inflight.outputs.in_order():
+            req = self.requests.get(inflight.batch[batch_index])
             if req is not None and req.finish_reason is None:  # tokens after a stop are dropped
-                self._append(req, out.token, out.logits, now)
+                self._append(req, token, logits, now)
         return True
 
     def _context(self, adm: Admission) -> list[int]:
@@ -547,9 +585,10 @@ class Engine:
             self._append(req, token, row.clone() if req.keep_logits else None, now)
 
     def _append(self, req: _Request, token: int, logits: torch.Tensor | None, now: float) -> None:
-        if req.metrics.first_token_time is None:
-            req.metrics.first_token_time = now
-        req.metrics.token_times.append(now)
+        metrics = req.metrics
+        if metrics.first_token_time is None:
+            metrics.first_token_time = now
+        metrics.token_times.append(now)
         req.output.append(token)
         self.last_updated.append(req.rid)
         if logits is not None:
@@ -562,7 +601,7 @@ class Engine:
 
     def _stop_reason(self, req: _Request, token: int) -> str | None:
         p = req.params
-        if token in p.stop_token_ids or (not p.ignore_eos and token in self.tokenizer.eos_token_ids):
+        if token in req.stop_ids:
             return "stop"
         if p.stop:
             end = stop_string_end(self.tokenizer, req.output, p.stop)

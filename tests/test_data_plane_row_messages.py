@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from nanocp import SamplingParams
 from nanocp.data_plane.instance import KEPT_TOKEN, RowInput, RowOutput
-from nanocp.data_plane.row_messages import pack_outputs, pack_rows, unpack_outputs, unpack_rows
+from nanocp.data_plane.row_messages import SampledRows, pack_outputs, pack_rows, unpack_outputs, unpack_rows
 
 params_strategy = st.builds(
     SamplingParams,
@@ -54,6 +54,40 @@ def test_rows_round_trip_through_pickle(rows):
     for b, row in rows.items():  # rows that shared a params object still share one (it was sent once)
         by_params.setdefault(id(row.params), set()).add(id(back[b].params))
     assert all(len(ids) == 1 for ids in by_params.values())
+    assert pack_rows(wire) is wire and unpack_rows(rows) is rows  # either form is taken as it is
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    st.lists(
+        st.lists(
+            st.tuples(st.integers(0, 500), st.integers(0, 259), st.integers(0, 7)),
+            max_size=12,
+            unique_by=lambda f: (f[0], f[2]),
+        ),
+        max_size=4,
+    ),
+    st.lists(st.booleans(), min_size=4, max_size=4),
+)
+def test_sampled_rows_of_several_instances_come_in_batch_then_step_order(parts, with_logits):
+    seen, unique_parts = set(), []
+    for fields in parts:  # a (batch index, step) pair is sampled once in an iteration
+        unique_parts.append([f for f in fields if (f[0], f[2]) not in seen])
+        seen |= {(b, step) for b, _, step in fields}
+    outputs = [
+        [RowOutput(b, t, torch.full((3,), float(t)) if logits else None, s) for b, t, s in fields]
+        for fields, logits in zip(unique_parts, with_logits)
+    ]
+    rows = SampledRows.concat([pack_outputs(part) for part in outputs])
+    flat = [o for part in outputs for o in part]
+    assert [(o.batch_index, o.token, o.step) for o in unpack_outputs(rows)] == [
+        (o.batch_index, o.token, o.step) for o in flat
+    ]
+    expected = sorted(flat, key=lambda o: (o.batch_index, o.step))
+    got = rows.in_order()
+    assert [(b, t) for b, t, _ in got] == [(o.batch_index, o.token) for o in expected]
+    for (_, _, logits), o in zip(got, expected):
+        assert (logits is None) == (o.logits is None) and (logits is None or torch.equal(logits, o.logits))
 
 
 @settings(max_examples=40, deadline=None)
