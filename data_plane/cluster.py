@@ -337,6 +337,7 @@ def _process_main(cfg: ClusterConfig, rank: int, fabric_info, pool_kv: torch.Ten
     except Exception:  # noqa: BLE001 - reported to the driver
         conn.send(("error", traceback.format_exc()))
         return
+    taken_now = taken.numpy()  # the shared counter as numpy: a store costs far less than a tensor's
     try:
         while True:
             try:
@@ -353,11 +354,12 @@ def _process_main(cfg: ClusterConfig, rank: int, fabric_info, pool_kv: torch.Ten
             except MetadataChannelError as e:  # lost, torn, corrupt, stale or duplicated push: ask for it again
                 conn.send(("resync", seq, f"{type(e).__name__}: {e}"))
                 continue
-            taken[rank] = seq  # the context buffer is free for the next table (the driver may queue one)
+            taken_now[rank] = seq  # the context buffer is free for the next table (the driver may queue one)
             try:
                 rows = unpack_rows(packed_rows)
                 out = instance.run_iteration(RoutingTables.parse(table), rows, return_logits, handoffs)
-                conn.send(("ok", seq, pack_outputs(out), instance.timing.records))
+                # pickled plainly, like the driver's messages (no reducer table copied per message)
+                conn.send_bytes(pickle.dumps(("ok", seq, pack_outputs(out), instance.timing.records)))
                 instance.timing.records = []
             except StaleBlockTableError as e:  # refused before any exchange: the driver may send a full snapshot
                 conn.send(("stale", seq, f"{type(e).__name__}: {e}"))

@@ -196,6 +196,10 @@ class DecodeInstance:
         else:
             self.weights = shared.with_experts(model, self.local_experts)
         self._seq = 0
+        self._softmax_scale = model.softmax_scale
+        embed = self.weights.embed_tokens
+        host = embed.is_cpu and embed.dtype == torch.float32
+        self._embed_rows = embed.detach().numpy() if host else None  # a numpy lookup costs less on the host
         self._expert_out: torch.Tensor | None = None
         self._kv_rows = [layer_kv.view(-1, layer_kv.shape[-1]) for layer_kv in pool.kv]  # [frames * page, Dkv] each
         # The graph path keeps the pool's last frame as scratch: the scheduler's frames are the others, and the
@@ -274,7 +278,9 @@ class DecodeInstance:
                 step = tables.sub_step(
                     j, self.weights.rope_cache, self.backends.attention, self.model.embed_tokens.dtype
                 )
-                if tables.m:
+                if tables.m and self._embed_rows is not None:
+                    h = torch.from_numpy(self._embed_rows[tokens])  # [m, D]
+                elif tables.m:
                     h = self.weights.embed_tokens[torch.tensor(tokens, dtype=torch.int64, device=device)]  # [m, D]
                 else:
                     h = self.weights.embed_tokens[:0]
@@ -369,7 +375,7 @@ class DecodeInstance:
             return add_mlp(w.mlp, ffn_input(w, c, h), h) if tables.m else h
 
     def _attend(self, q_shard: torch.Tensor, kv_pages: torch.Tensor, tables: _IterationTables, step: _SubStep):
-        attention, scale, v_dim = self.backends.attention, self.model.softmax_scale, self.model.config.kv_lora_rank
+        attention, scale, v_dim = self.backends.attention, self._softmax_scale, self.model.config.kv_lora_rank
         if step.attention_plan is not None:
             return attention.run(step.attention_plan, q_shard, kv_pages, scale, v_dim)
         return attention(q_shard, kv_pages, tables.block_table, step.shard_lens, scale, v_dim)
