@@ -240,6 +240,24 @@ def moe_gate_input(
     return h_out, x, idx, weights
 
 
+def dense_layer_output(
+    o: torch.Tensor,
+    w_o: np.ndarray,
+    h: torch.Tensor,
+    post_norm: torch.Tensor,
+    eps: float,
+    gate_up: np.ndarray,
+    down: np.ndarray,
+    inter: int,
+) -> torch.Tensor:
+    """A dense layer from its merged attention output in one call: o [T, H * kv_lora], h [T, D] -> h1 +
+    SwiGLU(RMSNorm(h1)) [T, D], h1 = h + o @ W_o. W_o, gate_up [D, 2I] (gate | up) and down [I, D] as
+    pack_panels."""
+    out, o_np = _empty(*h.shape)
+    _k.dense_layer_output(_np(o), w_o, _np(h), _weight(post_norm), eps, gate_up, down, inter, o_np)
+    return out
+
+
 def gated_mlp(
     x: torch.Tensor, gate_up: np.ndarray, down: np.ndarray, inter: int, base: torch.Tensor | None = None
 ) -> torch.Tensor:

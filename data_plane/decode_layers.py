@@ -446,6 +446,17 @@ def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate_up[..., :inter]) * gate_up[..., inter:]
 
 
+def dense_output(w: DecodeLayerWeights, c: ModelConfig, h: torch.Tensor, o_latent: torch.Tensor) -> torch.Tensor:
+    """A dense layer from the merged o_latent [T, H, kv_lora]: h + attention output, plus its MLP of that [T, D]
+    (add_attention_output, then add_mlp of ffn_input; one kernel call for a decode batch on the fp32 CPU path)."""
+    a, mlp = w.attn, w.mlp
+    if a.w_uv is None and a.w_o.takes(h) and mlp.gate_up.takes(h) and w.post_attention_norm.dtype == torch.float32:
+        o, panels = o_latent.reshape(h.shape[0], -1), (mlp.gate_up.panels, mlp.down.panels, mlp.down.shape[0])
+        return cpu_kernels.dense_layer_output(o, a.w_o.panels, h, w.post_attention_norm, c.rms_norm_eps, *panels)
+    h = add_attention_output(w, h, o_latent)
+    return add_mlp(mlp, ffn_input(w, c, h), h)
+
+
 def moe_input(
     w: DecodeLayerWeights, c: ModelConfig, h: torch.Tensor, o_latent: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -58,9 +58,8 @@ from .decode_layers import (
     KVWrite,
     RopeCache,
     RopeTable,
-    add_attention_output,
     add_mlp,
-    ffn_input,
+    dense_output,
     final_logits,
     grouped_experts,
     moe_input,
@@ -363,16 +362,14 @@ class DecodeInstance:
                 self.res_route.send(tables.res_send, torch.cat([o.float(), lse[..., None]], dim=-1), seq)
         if tables.res_sources:
             yield Wait(self.res_route.wait_flags(tables.res_sources, seq))
+        if w.mlp is not None:  # a dense layer: the output projection and the MLP in one step
+            with timing.phase("dense", i, ctx):
+                return dense_output(w, c, h, self._merge(o, lse, tables)) if tables.m else h
         routed = None
         with timing.phase("merge", i, ctx):
-            if tables.m and w.mlp is None:  # a MoE layer: the output projection, then on to the gate in one step
+            if tables.m:  # a MoE layer: the output projection, then on to the gate in one step
                 h, *routed = moe_input(w, c, h, self._merge(o, lse, tables))
-            elif tables.m:
-                h = add_attention_output(w, h, self._merge(o, lse, tables))
-        if w.mlp is None:
-            return (yield from self._moe(w, h, routed, step, ctx))
-        with timing.phase("dense", i, ctx):
-            return add_mlp(w.mlp, ffn_input(w, c, h), h) if tables.m else h
+        return (yield from self._moe(w, h, routed, step, ctx))
 
     def _attend(self, q_shard: torch.Tensor, kv_pages: torch.Tensor, tables: _IterationTables, step: _SubStep):
         attention, scale, v_dim = self.backends.attention, self._softmax_scale, self.model.config.kv_lora_rank

@@ -724,3 +724,15 @@ def test_moe_gate_input_rejects_mismatched_shapes():
         cpu_kernels.moe_gate_input(randn(gen, 3, 24), w_o, h, norm, 1e-6, gate, 8, bias, *args)
     with pytest.raises(ValueError, match="moe_gate_input: bias must have one value per expert"):
         cpu_kernels.moe_gate_input(o, w_o, h, norm, 1e-6, gate, 8, randn(gen, 9), *args)
+
+
+def test_dense_layer_output_rejects_mismatched_shapes():
+    gen = torch.Generator().manual_seed(14)
+    o, h, norm = randn(gen, 3, 32), randn(gen, 3, 16), randn(gen, 16)
+    w_o = cpu_kernels.pack_panels(randn(gen, 32, 16))
+    gate_up, down = cpu_kernels.pack_panels(randn(gen, 16, 24)), cpu_kernels.pack_panels(randn(gen, 12, 16))
+    assert cpu_kernels.dense_layer_output(o, w_o, h, norm, 1e-6, gate_up, down, 12).shape == (3, 16)
+    with pytest.raises(ValueError, match=r"dense_layer_output: o \[T, H \* kv_lora\], h, .* disagree"):
+        cpu_kernels.dense_layer_output(o, w_o, randn(gen, 2, 16), norm, 1e-6, gate_up, down, 12)
+    with pytest.raises(ValueError, match="dense_layer_output: down: panels must be"):
+        cpu_kernels.dense_layer_output(o, w_o, h, norm, 1e-6, gate_up, down, 10)

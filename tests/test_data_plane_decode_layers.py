@@ -96,6 +96,20 @@ def test_moe_input_equals_output_projection_norm_and_gate_step_by_step(prepared,
         assert torch.equal(idx_got, idx_want) and torch.equal(weights_got, weights_want)
 
 
+@pytest.mark.parametrize("rows", [1, 6, 33])
+def test_dense_output_equals_output_projection_and_mlp_step_by_step(prepared, rows):
+    """dense_output (one kernel call on the fp32 CPU path) gives bit for bit what add_attention_output, then add_mlp
+    of ffn_input give."""
+    model, weights = prepared
+    c = model.config
+    gen = torch.Generator().manual_seed(rows)
+    for w in (w for w in weights.layers if w.mlp is not None):
+        h = torch.randn(rows, c.hidden_size, generator=gen)
+        o = torch.randn(rows, c.num_attention_heads, c.kv_lora_rank, generator=gen)
+        h1 = dl.add_attention_output(w, h, o)
+        assert torch.equal(dl.dense_output(w, c, h, o), dl.add_mlp(w.mlp, dl.ffn_input(w, c, h1), h1))
+
+
 @pytest.mark.parametrize("rows", [1, 7])
 def test_projection_stores_each_rows_kv_in_its_slot(prepared, rows):
     """project(..., store): the same q and kv, each row's kv also in its slot of the pages (-1: none stored),

@@ -654,33 +654,87 @@ void linear_panels(F32<2> x, F32<3> panels, int64_t n, std::optional<F32<2>> bas
   gemm_panels(t, n, k, a.data(), panels.data(), base ? b.data() : nullptr, c.data());
 }
 
-// SwiGLU MLP of decode rows: out [T, D] = (silu(x @ W_gate) * (x @ W_up)) @ W_down (+ base [T, D]), x [T, D],
-// gate_up [D, 2I] (gate | up) and down [I, D] as panels. base may be out (in place).
+// SwiGLU MLP of decode rows: out rows [T, D] = (silu(x @ W_gate) * (x @ W_up)) @ W_down (+ base rows), gate_up
+// [D, 2I] (gate | up) and down [I, D] as panels (contiguous). A base row may be its out row (in place).
+void gated_mlp_rows(int64_t t, int64_t dim, int64_t inter, const float* const* x, const float* gate_up_panels,
+                    const float* down_panels, const float* const* base, float* const* out) {
+  std::vector<float> hidden(t * 3 * inter);  // [T, 2I] gate | up, then [T, I] the activation
+  std::vector<const float*> a(x, x + t);
+  std::vector<float*> c(t);
+  for (int64_t r = 0; r < t; ++r) c[r] = hidden.data() + r * 2 * inter;
+  gemm_panels(t, 2 * inter, dim, a.data(), gate_up_panels, nullptr, c.data());
+  float* act = hidden.data() + t * 2 * inter;
+  for (int64_t r = 0; r < t; ++r) {
+    silu_mul_row(c[r], act + r * inter, inter);
+    a[r] = act + r * inter;
+  }
+  gemm_panels(t, dim, inter, a.data(), down_panels, base, out);
+}
+
+void require_mlp(int64_t dim, int64_t inter, const F32<3>& gate_up_panels, const F32<3>& down_panels,
+                 const char* what) {
+  REQUIRE(inter > 0, std::string(what) + ": the intermediate size must be positive");
+  require_panels(gate_up_panels, dim, 2 * inter, (std::string(what) + ": gate_up").c_str());
+  require_panels(down_panels, inter, dim, (std::string(what) + ": down").c_str());
+}
+
+// gated_mlp_rows over x [T, D] -> out [T, D] (+ base [T, D]). base may be out (in place).
 void gated_mlp(F32<2> x, F32<3> gate_up_panels, F32<3> down_panels, int64_t inter, std::optional<F32<2>> base,
                F32<2> out) {
   require_rows(x, "x");
   require_rows(out, "out");
   const int64_t t = x.shape(0), dim = x.shape(1);
-  REQUIRE(inter > 0, "gated_mlp: the intermediate size must be positive");
-  require_panels(gate_up_panels, dim, 2 * inter, "gated_mlp: gate_up");
-  require_panels(down_panels, inter, dim, "gated_mlp: down");
+  require_mlp(dim, inter, gate_up_panels, down_panels, "gated_mlp");
   REQUIRE(out.shape(0) == x.shape(0) && out.shape(1) == x.shape(1), "gated_mlp: out must be " + shape_of(t, dim));
-  std::vector<float> hidden(t * 3 * inter);  // [T, 2I] gate | up, then [T, I] the activation
   std::vector<const float*> a(t);
   std::vector<float*> c(t);
   for (int64_t r = 0; r < t; ++r) {
     a[r] = x.data() + r * x.stride(0);
-    c[r] = hidden.data() + r * 2 * inter;
-  }
-  gemm_panels(t, 2 * inter, dim, a.data(), gate_up_panels.data(), nullptr, c.data());
-  float* act = hidden.data() + t * 2 * inter;
-  for (int64_t r = 0; r < t; ++r) {
-    silu_mul_row(c[r], act + r * inter, inter);
-    a[r] = act + r * inter;
     c[r] = out.data() + r * out.stride(0);
   }
   const std::vector<const float*> b = base_rows(base, out, "gated_mlp");
-  gemm_panels(t, dim, inter, a.data(), down_panels.data(), base ? b.data() : nullptr, c.data());
+  gated_mlp_rows(t, dim, inter, a.data(), gate_up_panels.data(), down_panels.data(), base ? b.data() : nullptr,
+                 c.data());
+}
+
+// The step after a layer's attention shared by its dense and MoE forms: h_rows = h + o [T, H * kv_lora] @ W_o (W_o
+// as panels; an h_rows row may be its h row), x_rows = RMSNorm(h_rows, post_norm).
+void attention_output_norm(const F32<2>& o, const F32<3>& w_o_panels, const F32<2>& h, const F32<1>& post_norm,
+                           float eps, float* const* h_rows, float* const* x_rows, const char* what) {
+  require_rows(o, "o");
+  require_rows(h, "h");
+  require_rows(post_norm, "post_norm");
+  const int64_t t = o.shape(0), dim = h.shape(1);
+  REQUIRE(static_cast<int64_t>(h.shape(0)) == t && static_cast<int64_t>(post_norm.shape(0)) == dim,
+          std::string(what) + ": o [T, H * kv_lora], h, h_out, x_out [T, D] and post_norm [D] disagree");
+  require_panels(w_o_panels, o.shape(1), dim, (std::string(what) + ": w_o").c_str());
+  std::vector<const float*> a(t), base(t);
+  for (int64_t r = 0; r < t; ++r) {
+    a[r] = o.data() + r * o.stride(0);
+    base[r] = h.data() + r * h.stride(0);
+  }
+  gemm_panels(t, dim, o.shape(1), a.data(), w_o_panels.data(), base.data(), h_rows);
+  for (int64_t r = 0; r < t; ++r) rms_norm_row(h_rows[r], post_norm.data(), eps, x_rows[r], dim);
+}
+
+// A dense layer from its merged attention output in one pass (decode_layers.dense_output):
+//   h1 = h + o [T, H * kv_lora] @ W_o;  out [T, D] = h1 + SwiGLU MLP(RMSNorm(h1, post_norm)).
+void dense_layer_output(F32<2> o, F32<3> w_o_panels, F32<2> h, F32<1> post_norm, float eps, F32<3> gate_up_panels,
+                        F32<3> down_panels, int64_t inter, F32<2> out) {
+  require_rows(out, "out");
+  const int64_t t = o.shape(0), dim = h.shape(1);
+  REQUIRE(out.shape(0) == h.shape(0) && out.shape(1) == h.shape(1),
+          "dense_layer_output: o [T, H * kv_lora], h, h_out, x_out [T, D] and post_norm [D] disagree");
+  require_mlp(dim, inter, gate_up_panels, down_panels, "dense_layer_output");
+  std::vector<float> x(t * dim);
+  std::vector<float*> h1(t), x_rows(t);
+  for (int64_t r = 0; r < t; ++r) {
+    h1[r] = out.data() + r * out.stride(0);
+    x_rows[r] = x.data() + r * dim;
+  }
+  attention_output_norm(o, w_o_panels, h, post_norm, eps, h1.data(), x_rows.data(), "dense_layer_output");
+  const std::vector<const float*> a(x_rows.begin(), x_rows.end()), base(h1.begin(), h1.end());
+  gated_mlp_rows(t, dim, inter, a.data(), gate_up_panels.data(), down_panels.data(), base.data(), h1.data());
 }
 
 // A MoE layer from its merged attention output to its gate in one pass (decode_layers.moe_input):
@@ -690,34 +744,25 @@ void gated_mlp(F32<2> x, F32<3> gate_up_panels, F32<3> down_panels, int64_t inte
 void moe_gate_input(F32<2> o, F32<3> w_o_panels, F32<2> h, F32<1> post_norm, float eps, F32<3> gate_panels,
                     int64_t experts, F32<1> bias, int64_t n_group, int64_t topk_group, bool normalize, float scale,
                     F32<2> h_out, F32<2> x_out, I64<2> topk_idx, F32<2> topk_w) {
-  require_rows(o, "o");
-  require_rows(h, "h");
   require_rows(h_out, "h_out");
   require_rows(x_out, "x_out");
-  require_rows(post_norm, "post_norm");
   const int64_t t = o.shape(0), dim = h.shape(1);
-  REQUIRE(static_cast<int64_t>(h.shape(0)) == t && h_out.shape(0) == h.shape(0) && h_out.shape(1) == h.shape(1) &&
-              x_out.shape(0) == h.shape(0) && x_out.shape(1) == h.shape(1) &&
-              static_cast<int64_t>(post_norm.shape(0)) == dim,
+  REQUIRE(h_out.shape(0) == h.shape(0) && h_out.shape(1) == h.shape(1) && x_out.shape(0) == h.shape(0) &&
+              x_out.shape(1) == h.shape(1),
           "moe_gate_input: o [T, H * kv_lora], h, h_out, x_out [T, D] and post_norm [D] disagree");
-  require_panels(w_o_panels, o.shape(1), dim, "moe_gate_input: w_o");
   require_panels(gate_panels, dim, experts, "moe_gate_input: gate");
   require_gate(t, experts, bias, n_group, topk_group, topk_idx, topk_w, "moe_gate_input");
-  std::vector<const float*> a(t), base(t);
+  std::vector<float*> h_rows(t), x_rows(t);
+  std::vector<const float*> a(t);
   std::vector<float*> c(t);
-  for (int64_t r = 0; r < t; ++r) {
-    a[r] = o.data() + r * o.stride(0);
-    base[r] = h.data() + r * h.stride(0);
-    c[r] = h_out.data() + r * h_out.stride(0);
-  }
-  gemm_panels(t, dim, o.shape(1), a.data(), w_o_panels.data(), base.data(), c.data());
   std::vector<float> logits(t * experts);
   for (int64_t r = 0; r < t; ++r) {
-    float* x = x_out.data() + r * x_out.stride(0);
-    rms_norm_row(c[r], post_norm.data(), eps, x, dim);
-    a[r] = x;
+    h_rows[r] = h_out.data() + r * h_out.stride(0);
+    x_rows[r] = x_out.data() + r * x_out.stride(0);
+    a[r] = x_rows[r];
     c[r] = logits.data() + r * experts;
   }
+  attention_output_norm(o, w_o_panels, h, post_norm, eps, h_rows.data(), x_rows.data(), "moe_gate_input");
   gemm_panels(t, experts, dim, a.data(), gate_panels.data(), nullptr, c.data());
   gate_topk_rows(logits.data(), experts, t, experts, bias.data(), n_group, topk_group, normalize, scale, topk_idx,
                  topk_w);
@@ -1171,6 +1216,8 @@ NB_MODULE(_cpu_kernels, m) {
         nb::arg("eps"), array("gate_panels"), nb::arg("experts"), array("bias"), nb::arg("n_group"),
         nb::arg("topk_group"), nb::arg("normalize"), nb::arg("scale"), array("h_out"), array("x_out"),
         array("topk_idx"), array("topk_w"));
+  m.def("dense_layer_output", &dense_layer_output, array("o"), array("w_o_panels"), array("h"), array("post_norm"),
+        nb::arg("eps"), array("gate_up_panels"), array("down_panels"), nb::arg("inter"), array("out"));
   m.def("gated_mlp", &gated_mlp, array("x"), array("gate_up_panels"), array("down_panels"), nb::arg("inter"),
         array("base").none(), array("out"));
   m.def("linear_panels", &linear_panels, array("x"), array("panels"), nb::arg("n"), array("base").none(),
