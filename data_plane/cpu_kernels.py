@@ -16,6 +16,7 @@ torch reference side by side).
 from __future__ import annotations
 
 import os
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -105,19 +106,21 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def moe_gate_topk(
-    logits: torch.Tensor,
-    bias: torch.Tensor,
-    n_group: int,
-    topk_group: int,
-    top_k: int,
-    normalize: bool,
-    scale: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
+class GateRule(NamedTuple):
+    """DeepSeek-V3's choice of experts from the gate's logits (the kernels' gate arguments)."""
+
+    n_group: int
+    topk_group: int
+    top_k: int
+    normalize: bool
+    scale: float
+
+
+def moe_gate_topk(logits: torch.Tensor, bias: torch.Tensor, rule: GateRule) -> tuple[torch.Tensor, torch.Tensor]:
     """Gate logits [T, E] (before the sigmoid) -> topk_idx int64 [T, k], topk_weights fp32 [T, k]."""
-    idx, i = _empty(logits.shape[0], top_k, dtype=np.int64)
-    weights, w = _empty(logits.shape[0], top_k)
-    _k.moe_gate_topk(_np(logits), _weight(bias), n_group, topk_group, normalize, scale, i, w)
+    idx, i = _empty(logits.shape[0], rule.top_k, dtype=np.int64)
+    weights, w = _empty(logits.shape[0], rule.top_k)
+    _k.moe_gate_topk(_np(logits), _weight(bias), rule.n_group, rule.topk_group, rule.normalize, rule.scale, i, w)
     return idx, weights
 
 
@@ -221,11 +224,7 @@ def moe_gate_input(
     gate: np.ndarray,
     experts: int,
     bias: torch.Tensor,
-    n_group: int,
-    topk_group: int,
-    top_k: int,
-    normalize: bool,
-    scale: float,
+    rule: GateRule,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """A MoE layer from its merged attention output to its gate in one call: o [T, H * kv_lora], h [T, D] ->
     h + o @ W_o [T, D], x = RMSNorm(that) [T, D], topk_idx int64 [T, k], topk_weights [T, k] (moe_gate_topk of
@@ -233,9 +232,9 @@ def moe_gate_input(
     t, dim = h.shape
     h_out, h_np = _empty(t, dim)
     x, x_np = _empty(t, dim)
-    idx, i = _empty(t, top_k, dtype=np.int64)
-    weights, w = _empty(t, top_k)
-    args = (_weight(bias), n_group, topk_group, normalize, scale, h_np, x_np, i, w)
+    idx, i = _empty(t, rule.top_k, dtype=np.int64)
+    weights, w = _empty(t, rule.top_k)
+    args = (_weight(bias), rule.n_group, rule.topk_group, rule.normalize, rule.scale, h_np, x_np, i, w)
     _k.moe_gate_input(_np(o), w_o, _np(h), _weight(post_norm), eps, gate, experts, *args)
     return h_out, x, idx, weights
 

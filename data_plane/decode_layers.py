@@ -465,22 +465,24 @@ def moe_input(
     kernel call for a decode batch on the fp32 CPU path)."""
     a = w.attn
     if a.w_uv is None and a.w_o.takes(h) and w.gate.takes(h) and w.post_attention_norm.dtype == torch.float32:
-        o = o_latent.reshape(h.shape[0], -1)
-        k, scale = c.num_experts_per_tok, c.routed_scaling_factor
-        gate = (w.gate.panels, w.gate.shape[1], w.gate_bias, c.n_group, c.topk_group, k, c.norm_topk_prob, scale)
+        o, gate = o_latent.reshape(h.shape[0], -1), (w.gate.panels, w.gate.shape[1], w.gate_bias, _gate_rule(c))
         return cpu_kernels.moe_gate_input(o, a.w_o.panels, h, w.post_attention_norm, c.rms_norm_eps, *gate)
     h = add_attention_output(w, h, o_latent)
     x = ffn_input(w, c, h)
     return (h, x, *moe_gate(w, c, x))
 
 
+def _gate_rule(c: ModelConfig) -> cpu_kernels.GateRule:
+    return cpu_kernels.GateRule(
+        c.n_group, c.topk_group, c.num_experts_per_tok, c.norm_topk_prob, c.routed_scaling_factor
+    )
+
+
 def moe_gate(w: DecodeLayerWeights, c: ModelConfig, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [T, D] -> topk_idx int64 [T, k], topk_weights fp32 [T, k] (as models.moe_gate)."""
     t = x.shape[0]
     if cpu_kernels.usable(x):
-        logits = w.gate(x)  # [T, E]
-        k, scale = c.num_experts_per_tok, c.routed_scaling_factor
-        return cpu_kernels.moe_gate_topk(logits, w.gate_bias, c.n_group, c.topk_group, k, c.norm_topk_prob, scale)
+        return cpu_kernels.moe_gate_topk(w.gate(x), w.gate_bias, _gate_rule(c))  # logits [T, E]
     scores = w.gate(x.float()).sigmoid_()  # [T, E]
     choice = scores + w.gate_bias
     if c.n_group > 1:

@@ -187,7 +187,9 @@ def test_moe_gate_topk_equals_the_torch_gate(shape, tokens, normalize, scale, ex
     logits = wide_slice(gen, tokens, experts, extra) * 2.0  # [T, E] before the sigmoid
     bias = randn(gen, experts, scale=0.05)
     config = gate_config(TINY, experts, n_group, topk_group, top_k, normalize, scale)
-    idx, weights = cpu_kernels.moe_gate_topk(logits, bias, n_group, topk_group, top_k, normalize, scale)
+    idx, weights = cpu_kernels.moe_gate_topk(
+        logits, bias, cpu_kernels.GateRule(n_group, topk_group, top_k, normalize, scale)
+    )
     # the torch branch on x = logits and an identity gate: its GEMM reproduces the logits exactly
     layer = SimpleNamespace(gate=dl.Linear.of(torch.eye(experts)), gate_bias=bias)
     previous = cpu_kernels.set_enabled(False)
@@ -450,15 +452,17 @@ def test_moe_gate_topk_rejects_bad_grouping_and_top_k():
     gen = torch.Generator().manual_seed(4)
     logits, bias = randn(gen, 2, 12), randn(gen, 12)
     with pytest.raises(ValueError, match="bias must have one value per expert"):
-        cpu_kernels.moe_gate_topk(logits, randn(gen, 11), 1, 1, 2, True, 1.0)
+        cpu_kernels.moe_gate_topk(logits, randn(gen, 11), cpu_kernels.GateRule(1, 1, 2, True, 1.0))
     with pytest.raises(ValueError, match=r"bad grouping \(n_group 5, topk_group 1, 12 experts\)"):
-        cpu_kernels.moe_gate_topk(logits, bias, 5, 1, 2, True, 1.0)
+        cpu_kernels.moe_gate_topk(logits, bias, cpu_kernels.GateRule(5, 1, 2, True, 1.0))
     with pytest.raises(ValueError, match=r"bad grouping \(n_group 4, topk_group 5"):
-        cpu_kernels.moe_gate_topk(logits, bias, 4, 5, 2, True, 1.0)
+        cpu_kernels.moe_gate_topk(logits, bias, cpu_kernels.GateRule(4, 5, 2, True, 1.0))
     with pytest.raises(ValueError, match="top-k 7 does not fit the allowed groups"):
-        cpu_kernels.moe_gate_topk(logits, bias, 4, 2, 7, True, 1.0)  # 2 groups of 3 experts
+        cpu_kernels.moe_gate_topk(logits, bias, cpu_kernels.GateRule(4, 2, 7, True, 1.0))  # 2 groups of 3 experts
     with pytest.raises(ValueError, match="top-k 1 does not fit"):
-        cpu_kernels.moe_gate_topk(logits, bias, 12, 1, 1, True, 1.0)  # one expert per group: no top-2 group score
+        cpu_kernels.moe_gate_topk(
+            logits, bias, cpu_kernels.GateRule(12, 1, 1, True, 1.0)
+        )  # one expert per group: no top-2 group score
 
 
 def test_weighted_combine_rejects_bad_shapes_and_rows():
@@ -657,7 +661,7 @@ def _strided_kv_norm(gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _strided_gate_bias(gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     logits, bias = randn(gen, 4, 16) * 0.01, randn(gen, 32)[::2]  # the bias decides the choice
-    idx, _ = cpu_kernels.moe_gate_topk(logits, bias, 1, 1, 4, True, 1.0)
+    idx, _ = cpu_kernels.moe_gate_topk(logits, bias, cpu_kernels.GateRule(1, 1, 4, True, 1.0))
     return idx, (logits.sigmoid() + bias).topk(4, dim=-1).indices
 
 
@@ -693,7 +697,9 @@ def _empty_batch(name: str) -> tuple[torch.Tensor, tuple[int, ...]]:
     if name == "silu_mul":
         return cpu_kernels.silu_mul(randn(gen, 0, 8)), (0, 4)
     if name == "moe_gate_topk":
-        return cpu_kernels.moe_gate_topk(randn(gen, 0, 16), randn(gen, 16), 4, 2, 4, True, 1.0)[0], (0, 4)
+        return cpu_kernels.moe_gate_topk(randn(gen, 0, 16), randn(gen, 16), cpu_kernels.GateRule(4, 2, 4, True, 1.0))[
+            0
+        ], (0, 4)
     y, rows, weights = randn(gen, 3, 8), torch.zeros(0, 2, dtype=torch.int64), randn(gen, 0, 2)
     return cpu_kernels.weighted_combine(y, rows, weights, randn(gen, 0, 8)), (0, 8)
 
@@ -714,7 +720,7 @@ def test_moe_gate_input_rejects_mismatched_shapes():
         cpu_kernels.pack_panels(randn(gen, 16, 8)),
         randn(gen, 8),
     )
-    args = (4, 2, 2, True, 2.5)
+    args = (cpu_kernels.GateRule(2, 2, 4, True, 2.5),)
     cpu_kernels.moe_gate_input(o, w_o, h, norm, 1e-6, gate, 8, bias, *args)
     with pytest.raises(
         ValueError, match=r"o \[T, H \* kv_lora\], h, h_out, x_out \[T, D\] and post_norm \[D\] disagree"
