@@ -27,6 +27,7 @@ from collections.abc import Callable, Generator
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor
 from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass, field
+from multiprocessing import connection as mp_connection
 
 import numpy as np
 import torch
@@ -613,10 +614,12 @@ class ProcessCluster(_LocalPools):
         self._resends[r].clear()
 
     def dead_instances(self) -> list[int]:
-        # A closed pipe can be seen a moment before the exiting process can be reaped: give those time to end.
+        # A closed pipe can be seen a moment before the process has exited: give those time to end. A process has
+        # exited once its sentinel is readable, whichever thread reaps it (is_alive() says True while another
+        # thread's join is reaping it: its waitpid fails).
         for r in self._lost:
-            self._procs[r].join(timeout=5.0)
-        return [r for r, proc in enumerate(self._procs) if not proc.is_alive()]
+            mp_connection.wait([self._procs[r].sentinel], timeout=5.0)
+        return [r for r, proc in enumerate(self._procs) if mp_connection.wait([proc.sentinel], timeout=0)]
 
     def kill_instance(self, instance: int) -> None:
         """Fault injection (tests, reliability runs): SIGKILL one instance process."""
