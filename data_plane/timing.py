@@ -1,10 +1,10 @@
 """Per-phase timing log of a decode instance: one record per (iteration, instance, layer, phase).
 
-The latency breakdown tool and the simulator's `cpu-tiny` profile read these records (JSON lines). Where a fused CPU
-kernel runs the steps of several phases in one call, its phase holds them all: a MoE layer's "merge" also holds the
-output projection, the FFN norm and the gate (decode_layers.moe_input), a dense layer's "dense" its whole step after
-the attention (the merge, the output projection and the MLP: decode_layers.dense_output), and "experts" the send of
-the experts' outputs when they are written in place (the "combine" then only signals).
+The latency breakdown tool and the simulator's `cpu-tiny` profile read these records (JSON lines). A phase holds the
+steps the fp32 CPU path runs in one kernel call: a MoE layer's "merge" also holds the output projection, the FFN norm
+and the gate (decode_layers.moe_input), a dense layer's "dense" its whole step after the attention (the merge, the
+output projection and the MLP: decode_layers.dense_output), and "experts" the send of the experts' outputs when they
+are written in place (the "combine" then only signals).
 """
 
 from __future__ import annotations
