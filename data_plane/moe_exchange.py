@@ -12,6 +12,11 @@ cap = max_tokens * min(top_k, local experts) bounds the pairs one rank sends one
 other rank in both directions (also with nothing to send), so a combine waits for all ranks: a rank's next
 dispatch can only start once every peer has consumed what it received (the buffers are reused every layer). A
 rank's block for itself is a plain copy into its own buffer (no put, no flag).
+
+Where every rank's buffers are mapped in this process (shared memory, threads: comm.Fabric.peer_buffer) and the
+rows are fp32, the fused kernels write in place: `dispatch_send` lays out and writes every peer's block in one call
+(cpu_kernels.pack_dispatch), and the expert pass can read the receive buffer and write each output into its source's
+`y` block itself (`in_place_combine`, cpu_kernels.received_expert_mlp), then only signal (`combine_sent`).
 """
 
 from __future__ import annotations
