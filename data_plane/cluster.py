@@ -461,7 +461,7 @@ class ProcessCluster(_LocalPools):
             return conn.recv()
         except (EOFError, ConnectionResetError) as e:  # reset: the process died with our message unread
             self._lost.add(rank)
-            raise InstanceFailure(f"instance {rank} died (exit code {self._procs[rank].exitcode})") from e
+            raise InstanceFailure(f"instance {rank} died (exit code {self._exit_code(rank)})") from e
 
     def run_iteration(
         self,
@@ -532,7 +532,7 @@ class ProcessCluster(_LocalPools):
     def _push(self, launch: Launch, r: int) -> None:
         """Push instance r's table of `launch` (new sequence number) and tell it to run the iteration."""
         if r in self._lost:
-            launch.answers[r] = ("error", f"instance {r} died (exit code {self._procs[r].exitcode})", False)
+            launch.answers[r] = ("error", f"instance {r} died (exit code {self._exit_code(r)})", False)
             return
         self._seqs[r] += 1
         seq = self._seqs[r]
@@ -606,12 +606,18 @@ class ProcessCluster(_LocalPools):
     def _lost_instance(self, r: int) -> None:
         """Instance r's pipe closed: every launch waiting on it gets its error."""
         self._lost.add(r)
-        error = ("error", f"instance {r} died (exit code {self._procs[r].exitcode})", False)
+        error = ("error", f"instance {r} died (exit code {self._exit_code(r)})", False)
         for key in [k for k in self._waiting if k[0] == r]:
             self._waiting.pop(key).answers[r] = error
         for launch in self._resends[r]:
             launch.answers[r] = error
         self._resends[r].clear()
+
+    def _exit_code(self, r: int) -> int | None:
+        """Instance r's exit code, once it has exited: its pipe closes a moment before (up to 5 s of waiting)."""
+        proc = self._procs[r]
+        mp_connection.wait([proc.sentinel], timeout=5.0)
+        return proc.exitcode
 
     def dead_instances(self) -> list[int]:
         # A closed pipe can be seen a moment before the process has exited: give those time to end. A process has
