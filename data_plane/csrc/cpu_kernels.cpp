@@ -625,14 +625,26 @@ void require_panels(const A& panels, int64_t k, int64_t n, const char* what) {
 }
 
 // The rows of an optional residual `base` shaped like out (empty without one).
-std::vector<const float*> base_rows(const std::optional<F32<2>>& base, const F32<2>& out, const char* what) {
-  std::vector<const float*> rows;
-  if (!base) return rows;
+// The rows of a 2-D array (rows may be strided), as the GEMM takes them.
+std::vector<float*> row_pointers(const F32<2>& a) {
+  std::vector<float*> rows(a.shape(0));
+  for (size_t r = 0; r < rows.size(); ++r) rows[r] = a.data() + r * a.stride(0);
+  return rows;
+}
+
+// The rows [t, width] of a contiguous scratch block.
+std::vector<float*> block_rows(float* block, int64_t t, int64_t width) {
+  std::vector<float*> rows(t);
+  for (int64_t r = 0; r < t; ++r) rows[r] = block + r * width;
+  return rows;
+}
+
+std::vector<float*> base_rows(const std::optional<F32<2>>& base, const F32<2>& out, const char* what) {
+  if (!base) return {};
   require_rows(*base, "base");
   REQUIRE(base->shape(0) == out.shape(0) && base->shape(1) == out.shape(1),
           std::string(what) + ": base must be " + shape_of(out.shape(0), out.shape(1)));
-  for (size_t r = 0; r < base->shape(0); ++r) rows.push_back(base->data() + r * base->stride(0));
-  return rows;
+  return row_pointers(*base);
 }
 
 // out [T, n] = x [T, k] @ W (+ base [T, n]), W [k, n] given as its panels [ceil(n / kPanel), k, kPanel].
@@ -644,13 +656,7 @@ void linear_panels(F32<2> x, F32<3> panels, int64_t n, std::optional<F32<2>> bas
   require_panels(panels, k, n, "linear_panels");
   REQUIRE(static_cast<int64_t>(out.shape(0)) == t && static_cast<int64_t>(out.shape(1)) == n,
           "linear_panels: out must be " + shape_of(t, n));
-  std::vector<const float*> a(t);
-  std::vector<float*> c(t);
-  for (int64_t r = 0; r < t; ++r) {
-    a[r] = x.data() + r * x.stride(0);
-    c[r] = out.data() + r * out.stride(0);
-  }
-  const std::vector<const float*> b = base_rows(base, out, "linear_panels");
+  const std::vector<float*> a = row_pointers(x), c = row_pointers(out), b = base_rows(base, out, "linear_panels");
   gemm_panels(t, n, k, a.data(), panels.data(), base ? b.data() : nullptr, c.data());
 }
 
@@ -659,16 +665,11 @@ void linear_panels(F32<2> x, F32<3> panels, int64_t n, std::optional<F32<2>> bas
 void gated_mlp_rows(int64_t t, int64_t dim, int64_t inter, const float* const* x, const float* gate_up_panels,
                     const float* down_panels, const float* const* base, float* const* out) {
   std::vector<float> hidden(t * 3 * inter);  // [T, 2I] gate | up, then [T, I] the activation
-  std::vector<const float*> a(x, x + t);
-  std::vector<float*> c(t);
-  for (int64_t r = 0; r < t; ++r) c[r] = hidden.data() + r * 2 * inter;
-  gemm_panels(t, 2 * inter, dim, a.data(), gate_up_panels, nullptr, c.data());
-  float* act = hidden.data() + t * 2 * inter;
-  for (int64_t r = 0; r < t; ++r) {
-    silu_mul_row(c[r], act + r * inter, inter);
-    a[r] = act + r * inter;
-  }
-  gemm_panels(t, dim, inter, a.data(), down_panels, base, out);
+  const std::vector<float*> gate_up = block_rows(hidden.data(), t, 2 * inter);
+  const std::vector<float*> act = block_rows(hidden.data() + t * 2 * inter, t, inter);
+  gemm_panels(t, 2 * inter, dim, x, gate_up_panels, nullptr, gate_up.data());
+  for (int64_t r = 0; r < t; ++r) silu_mul_row(gate_up[r], act[r], inter);
+  gemm_panels(t, dim, inter, act.data(), down_panels, base, out);
 }
 
 void require_mlp(int64_t dim, int64_t inter, const F32<3>& gate_up_panels, const F32<3>& down_panels,
@@ -686,13 +687,7 @@ void gated_mlp(F32<2> x, F32<3> gate_up_panels, F32<3> down_panels, int64_t inte
   const int64_t t = x.shape(0), dim = x.shape(1);
   require_mlp(dim, inter, gate_up_panels, down_panels, "gated_mlp");
   REQUIRE(out.shape(0) == x.shape(0) && out.shape(1) == x.shape(1), "gated_mlp: out must be " + shape_of(t, dim));
-  std::vector<const float*> a(t);
-  std::vector<float*> c(t);
-  for (int64_t r = 0; r < t; ++r) {
-    a[r] = x.data() + r * x.stride(0);
-    c[r] = out.data() + r * out.stride(0);
-  }
-  const std::vector<const float*> b = base_rows(base, out, "gated_mlp");
+  const std::vector<float*> a = row_pointers(x), c = row_pointers(out), b = base_rows(base, out, "gated_mlp");
   gated_mlp_rows(t, dim, inter, a.data(), gate_up_panels.data(), down_panels.data(), base ? b.data() : nullptr,
                  c.data());
 }
@@ -708,11 +703,7 @@ void attention_output_norm(const F32<2>& o, const F32<3>& w_o_panels, const F32<
   REQUIRE(static_cast<int64_t>(h.shape(0)) == t && static_cast<int64_t>(post_norm.shape(0)) == dim,
           std::string(what) + ": o [T, H * kv_lora], h, h_out, x_out [T, D] and post_norm [D] disagree");
   require_panels(w_o_panels, o.shape(1), dim, (std::string(what) + ": w_o").c_str());
-  std::vector<const float*> a(t), base(t);
-  for (int64_t r = 0; r < t; ++r) {
-    a[r] = o.data() + r * o.stride(0);
-    base[r] = h.data() + r * h.stride(0);
-  }
+  const std::vector<float*> a = row_pointers(o), base = row_pointers(h);
   gemm_panels(t, dim, o.shape(1), a.data(), w_o_panels.data(), base.data(), h_rows);
   for (int64_t r = 0; r < t; ++r) rms_norm_row(h_rows[r], post_norm.data(), eps, x_rows[r], dim);
 }
@@ -727,14 +718,9 @@ void dense_layer_output(F32<2> o, F32<3> w_o_panels, F32<2> h, F32<1> post_norm,
           "dense_layer_output: o [T, H * kv_lora], h, h_out, x_out [T, D] and post_norm [D] disagree");
   require_mlp(dim, inter, gate_up_panels, down_panels, "dense_layer_output");
   std::vector<float> x(t * dim);
-  std::vector<float*> h1(t), x_rows(t);
-  for (int64_t r = 0; r < t; ++r) {
-    h1[r] = out.data() + r * out.stride(0);
-    x_rows[r] = x.data() + r * dim;
-  }
+  const std::vector<float*> h1 = row_pointers(out), x_rows = block_rows(x.data(), t, dim);
   attention_output_norm(o, w_o_panels, h, post_norm, eps, h1.data(), x_rows.data(), "dense_layer_output");
-  const std::vector<const float*> a(x_rows.begin(), x_rows.end()), base(h1.begin(), h1.end());
-  gated_mlp_rows(t, dim, inter, a.data(), gate_up_panels.data(), down_panels.data(), base.data(), h1.data());
+  gated_mlp_rows(t, dim, inter, x_rows.data(), gate_up_panels.data(), down_panels.data(), h1.data(), h1.data());
 }
 
 // A MoE layer from its merged attention output to its gate in one pass (decode_layers.moe_input):
@@ -752,18 +738,11 @@ void moe_gate_input(F32<2> o, F32<3> w_o_panels, F32<2> h, F32<1> post_norm, flo
           "moe_gate_input: o [T, H * kv_lora], h, h_out, x_out [T, D] and post_norm [D] disagree");
   require_panels(gate_panels, dim, experts, "moe_gate_input: gate");
   require_gate(t, experts, bias, n_group, topk_group, topk_idx, topk_w, "moe_gate_input");
-  std::vector<float*> h_rows(t), x_rows(t);
-  std::vector<const float*> a(t);
-  std::vector<float*> c(t);
   std::vector<float> logits(t * experts);
-  for (int64_t r = 0; r < t; ++r) {
-    h_rows[r] = h_out.data() + r * h_out.stride(0);
-    x_rows[r] = x_out.data() + r * x_out.stride(0);
-    a[r] = x_rows[r];
-    c[r] = logits.data() + r * experts;
-  }
+  const std::vector<float*> h_rows = row_pointers(h_out), x_rows = row_pointers(x_out);
+  const std::vector<float*> logit_rows = block_rows(logits.data(), t, experts);
   attention_output_norm(o, w_o_panels, h, post_norm, eps, h_rows.data(), x_rows.data(), "moe_gate_input");
-  gemm_panels(t, experts, dim, a.data(), gate_panels.data(), nullptr, c.data());
+  gemm_panels(t, experts, dim, x_rows.data(), gate_panels.data(), nullptr, logit_rows.data());
   gate_topk_rows(logits.data(), experts, t, experts, bias.data(), n_group, topk_group, normalize, scale, topk_idx,
                  topk_w);
 }
