@@ -25,6 +25,7 @@ import nanocp.engine as engine_module
 from nanocp import SamplingParams
 from nanocp.control_plane.lowering import RoutingTables
 from nanocp.data_plane.instance import RowOutput
+from nanocp.data_plane.row_messages import SampledRows, pack_outputs
 from nanocp.engine import Engine, EngineConfig
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -39,12 +40,12 @@ class InstantCluster:
     def __init__(self, cfg) -> None:
         self.cfg = cfg
 
-    def run_iteration(self, tables, rows, return_logits=False, full_tables=None) -> list[RowOutput]:
+    def run_iteration(self, tables, rows, return_logits=False, full_tables=None) -> SampledRows:
         out = []
         for table in tables:
             for batch_index, _, _, window in RoutingTables.parse(table).moe.tolist():
                 out += [RowOutput(batch_index, batch_index % 200, None, j) for j in range(window)]
-        return out
+        return pack_outputs(out)
 
     def write_kv(self, instance: int, frames: list[int], start_slot: int, kv) -> None:
         pass

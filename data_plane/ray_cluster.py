@@ -29,8 +29,8 @@ from nanocp.control_plane.lowering import RoutingTables
 
 from .block_store import StaleBlockTableError
 from .cluster import ClusterConfig, FullTables, InstanceFailure, TableFeed, allocate_pools, build_instance
-from .instance import RowInput, RowOutput, fabric_flags
-from .row_messages import RowBatch, pack_outputs, pack_rows, unpack_outputs, unpack_rows
+from .instance import RowInput, fabric_flags
+from .row_messages import RowBatch, SampledRows, pack_outputs, pack_rows, unpack_rows
 from .timing import PhaseRecord
 
 FABRICS = ("auto", "shm", "dist")
@@ -282,7 +282,7 @@ class RayCluster:
         rows: list[dict[int, RowInput]],
         return_logits: bool = False,
         full_tables: FullTables | None = None,
-    ) -> list[RowOutput]:
+    ) -> SampledRows:
         """One iteration on every actor. Incremental tables go to instances whose block-table store is known to
         hold their base (TableFeed); a refused one is resent as its full snapshot while the peers wait for it."""
         import ray
@@ -291,7 +291,7 @@ class RayCluster:
         sent = [self.feed.pick(r, tables, full_tables) for r in range(len(actors))]
         packed = [pack_rows(r) for r in rows]
         pending = {actors[r].run_iteration.remote(sent[r], packed[r], return_logits): r for r in range(len(actors))}
-        results: list[list[RowOutput]] = [[] for _ in actors]
+        results: list[SampledRows | None] = [None] * len(actors)
         errors: list[tuple[bool, str]] = []  # (is a fabric timeout, message)
         deadline = time.monotonic() + self.cfg.timeout_s * 2 + 5
         while pending:  # in completion order
@@ -309,7 +309,7 @@ class RayCluster:
                 errors.append((False, f"instance {r}: {type(e).__name__}: {e}"))
                 continue
             if msg[0] == "ok":
-                results[r] = unpack_outputs(msg[1])
+                results[r] = msg[1]
                 self._records.extend(msg[2])
             elif msg[0] == "stale" and TableFeed.can_resend_full(sent[r], full_tables):
                 sent[r] = full_tables()[r]
@@ -324,7 +324,7 @@ class RayCluster:
         self._broken = False
         for r, table in enumerate(sent):
             self.feed.held_now(r, table)
-        return [out for result in results for out in result]
+        return SampledRows.concat(results)
 
     def write_kv(self, instance: int, frames: list[int], start_slot: int, kv: torch.Tensor) -> None:
         """kv [L, n, Dkv] -> slots start_slot.. of a shard whose pages are `frames` on `instance` (an actor call)."""

@@ -73,7 +73,6 @@ class SampledRows:
 
 
 Rows = dict[int, RowInput] | RowBatch  # an instance's row inputs: RowInputs by batch index, or their columns
-Outputs = list[RowOutput] | SampledRows  # sampled rows: one RowOutput each, or their columns
 
 
 def pack_rows(rows: Rows) -> RowBatch:
@@ -101,10 +100,8 @@ def unpack_rows(rows: Rows) -> dict[int, RowInput]:
     return {b: RowInput(t, p, o, s, k, rows.handoffs.get(i)) for i, (b, t, p, o, s, k) in enumerate(columns)}
 
 
-def pack_outputs(outputs: Outputs) -> SampledRows:
-    """Sampled rows as columns (SampledRows already are)."""
-    if isinstance(outputs, SampledRows):
-        return outputs
+def pack_outputs(outputs: list[RowOutput]) -> SampledRows:
+    """Sampled rows as columns."""
     logits = [o.logits for o in outputs]
     return SampledRows(
         [o.batch_index for o in outputs],

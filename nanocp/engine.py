@@ -23,7 +23,7 @@ from nanocp.data_plane.cluster import ClusterConfig, InstanceFailure, make_clust
 from nanocp.data_plane.decode_layers import DecodeWeights
 from nanocp.data_plane.instance import KEPT_TOKEN, Handoff, InstanceLimits
 from nanocp.data_plane.packed_prefill import PrefillOutput, prefill_packed
-from nanocp.data_plane.row_messages import RowBatch, SampledRows, pack_outputs
+from nanocp.data_plane.row_messages import RowBatch, SampledRows
 from nanocp.data_plane.sampling import SamplingParams, sample_tokens
 from nanocp.data_plane.timing import PhaseRecord
 from nanocp.driver_policy import batch_policy
@@ -465,13 +465,12 @@ class Engine:
         if self._guards_admissions:
             self._record_last_pages(batch, moe_rows, rows)
         if not getattr(self.cluster, "incremental_tables", False):  # a cluster that tracks no store state
-            inflight.outputs = pack_outputs(self.cluster.run_iteration(plan.full_tables(), rows, keep))
+            inflight.outputs = self.cluster.run_iteration(plan.full_tables(), rows, keep)
         elif self.overlaps:
             inflight.launch = self.cluster.launch(plan.tables, rows, keep, plan.full_tables, handoffs)
             self.overlapped_iterations += self._inflight is not None
         else:
-            outputs = self.cluster.run_iteration(plan.tables, rows, keep, full_tables=plan.full_tables)
-            inflight.outputs = pack_outputs(outputs)
+            inflight.outputs = self.cluster.run_iteration(plan.tables, rows, keep, full_tables=plan.full_tables)
         return inflight
 
     def _row_batch(
@@ -522,7 +521,7 @@ class Engine:
         inflight, self._inflight = self._inflight, None
         if inflight.launch is not None:
             try:
-                inflight.outputs = pack_outputs(self.cluster.collect(inflight.launch))
+                inflight.outputs = self.cluster.collect(inflight.launch)
             except InstanceFailure as e:
                 self._recover(e)
                 return False
