@@ -77,6 +77,19 @@ class ClusterConfig:
     metadata_timeout_s: float = 2.0  # an instance waits this long for its table before asking for a resend
     metadata_retries: int = 3
     use_graphs: bool = False  # AOT graph engine: static buckets and pool (CUDA graphs on GPU, eager replay on CPU)
+    # Where the instances' weights, KV pools and fabric buffers live. "cuda[:i]": every instance of this process
+    # shares that GPU (inline and threads backends; instances in other processes stay on the CPU).
+    device: str = "cpu"
+
+    def __post_init__(self) -> None:
+        try:
+            device = torch.device(self.device)
+        except (RuntimeError, TypeError):
+            raise ValueError(f"unknown device {self.device!r} (accepted: 'cpu', 'cuda', 'cuda:<index>')") from None
+        if device.type not in ("cpu", "cuda"):
+            raise ValueError(f"unsupported device {self.device!r} (accepted: 'cpu', 'cuda', 'cuda:<index>')")
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"device {self.device!r} needs CUDA, which this machine does not have (use 'cpu')")
 
 
 def experts_of(rank: int, num_instances: int, num_experts: int) -> set[int]:
@@ -89,11 +102,13 @@ def build_instance(
     """Instance `rank` with its experts; `shared`: prepared replicated weights of instances in this process."""
     config = load_config(cfg.model)
     experts = experts_of(rank, cfg.num_instances, config.n_routed_experts)
-    model = load_model(cfg.model, expert_ids=experts, dtype=cfg.dtype)
+    model = load_model(cfg.model, expert_ids=experts, dtype=cfg.dtype, device=cfg.device)
     timing = TimingLog(enabled=cfg.timing)
     graphs = None
     if cfg.use_graphs:
-        graphs = build_graph_engine(config, cfg.limits, cfg.num_instances, pool.frames, cfg.page_size, cfg.dtype)
+        graphs = build_graph_engine(
+            config, cfg.limits, cfg.num_instances, pool.frames, cfg.page_size, cfg.dtype, device=cfg.device
+        )
     return DecodeInstance(rank, model, pool, fabric, cfg.limits, cfg.timeout_s, timing, graphs=graphs, shared=shared)
 
 
@@ -101,7 +116,7 @@ def shared_weights(cfg: ClusterConfig) -> DecodeWeights:
     """The replicated (attention, dense, shared-expert, gate, embedding, head) weights, prepared once for every
     instance of one process: each instance adds only its routed experts. On CPU the instances then read one copy
     (a quarter of the cache footprint with 4 instances), as GPUs of a DP group each read their own."""
-    return DecodeWeights.build(load_model(cfg.model, expert_ids=set(), dtype=cfg.dtype))
+    return DecodeWeights.build(load_model(cfg.model, expert_ids=set(), dtype=cfg.dtype, device=cfg.device))
 
 
 def allocate_pools(cfg: ClusterConfig, shared: bool) -> list[PagedKVPool]:
@@ -115,6 +130,7 @@ def allocate_pools(cfg: ClusterConfig, shared: bool) -> list[PagedKVPool]:
             c.kv_cache_dim,
             cfg.dtype,
             shared,
+            cfg.device,
         )
         for _ in range(cfg.num_instances)
     ]
@@ -174,7 +190,9 @@ class _InProcessCluster(_LocalPools):
         self.cfg = cfg
         self.feed = TableFeed(cfg.num_instances)
         self.pools = allocate_pools(cfg, shared=False)
-        fabrics = InProcessFabric.create(cfg.num_instances, num_flags=fabric_flags(cfg.num_instances))
+        fabrics = InProcessFabric.create(
+            cfg.num_instances, num_flags=fabric_flags(cfg.num_instances), device=cfg.device
+        )
         shared = shared_weights(cfg)
         # Buffer registration is collective (it ends in a barrier): build every instance concurrently.
         futures = [
@@ -665,6 +683,8 @@ def _stop_processes(conns: list, procs: list, senders: list, info) -> None:
 
 def make_cluster(backend: str, cfg: ClusterConfig, **options):
     """A decode cluster of `cfg.num_instances` instances; `options` go to the Ray cluster (placement)."""
+    if torch.device(cfg.device).type != "cpu" and backend not in ("inline", "threads"):
+        raise ValueError(f"device {cfg.device!r} runs with the inline or threads backend, not {backend!r}")
     if backend == "inline":
         return InlineCluster(cfg)
     if backend == "threads":

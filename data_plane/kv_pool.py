@@ -17,9 +17,17 @@ class PagedKVPool:
 
     @classmethod
     def allocate(
-        cls, num_layers: int, frames: int, page_size: int, dim: int, dtype: torch.dtype, shared: bool = False
+        cls,
+        num_layers: int,
+        frames: int,
+        page_size: int,
+        dim: int,
+        dtype: torch.dtype,
+        shared: bool = False,
+        device: torch.device | str = "cpu",
     ) -> PagedKVPool:
-        kv = torch.zeros(num_layers, frames, page_size, dim, dtype=dtype)
+        """kv [num_layers, frames, page_size, dim] zeros; `shared`: in shared memory (CPU pools of other processes)."""
+        kv = torch.zeros(num_layers, frames, page_size, dim, dtype=dtype, device=device)
         return cls(kv.share_memory_() if shared else kv)
 
     @property
@@ -32,7 +40,8 @@ class PagedKVPool:
 
     def write_tokens(self, layer: int, frames: torch.Tensor, slots: torch.Tensor, values: torch.Tensor) -> None:
         """values [n, Dkv] -> (frame, slot) pairs; frames/slots int64 [n]."""
-        self.kv[layer, frames, slots] = values.to(self.kv.dtype)
+        dev = self.kv.device
+        self.kv[layer, frames.to(dev), slots.to(dev)] = values.to(dev, self.kv.dtype)
 
     def write_range(self, frames: list[int], start_slot: int, values: torch.Tensor) -> None:
         """Write values [L, n, Dkv] as a shard's tokens start_slot .. start_slot + n - 1 (pages in token order)."""
@@ -42,4 +51,5 @@ class PagedKVPool:
         slots = torch.arange(start_slot, start_slot + n)
         page = self.page_size
         frame_idx = torch.as_tensor(frames, dtype=torch.int64)[slots // page]
-        self.kv[:, frame_idx, slots % page] = values.to(self.kv.dtype)
+        dev = self.kv.device  # the values may come from a prefill on another device (the driver's CPU)
+        self.kv[:, frame_idx.to(dev), (slots % page).to(dev)] = values.to(dev, self.kv.dtype)

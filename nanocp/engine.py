@@ -71,6 +71,10 @@ class EngineConfig:
     # SCHED_BATCH (Linux): an instance's answer then does not make it preempt another instance mid-iteration
     # (nanocp/driver_policy.py). LLM.generate switches it for the call only; `nanocp serve` for its engine thread.
     driver_sched_batch: bool = True
+    # Where the decode instances run ("cpu", "cuda", "cuda:<i>"; a GPU with the inline or threads backend, every
+    # instance of the cluster sharing it). The driver's own prefill stays on the CPU and its KV is copied into the
+    # instances' pools.
+    device: str = "cpu"
 
     def cluster_spec(self) -> ClusterSpec:
         if not isinstance(self.num_steps, int) or isinstance(self.num_steps, bool) or self.num_steps < 1:
@@ -240,6 +244,7 @@ class Engine:
             config.timing,
             metadata_timeout_s=config.metadata_timeout_s,
             use_graphs=config.use_graphs,
+            device=config.device,
         )
         self.cluster = make_cluster(config.backend, cluster_cfg, **config.cluster_options)
         self.overlaps = config.overlap and getattr(self.cluster, "overlaps", False)

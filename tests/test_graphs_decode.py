@@ -61,16 +61,23 @@ def models():
 class Cluster:
     """N instances on an in-process fabric, driven cooperatively (like InlineCluster)."""
 
-    def __init__(self, models, family: BucketFamily | None = None, graphs: bool = False, device: str = "cpu"):
+    def __init__(
+        self,
+        models,
+        family: BucketFamily | None = None,
+        graphs: bool = False,
+        device: str = "cpu",
+        dtype: torch.dtype = torch.float32,
+    ):
         fabrics = InProcessFabric.create(N, num_flags=64, device=device)
         config = models[0].config
         # one scratch frame beyond the scheduler's frames
         self.pools = [
-            PagedKVPool(torch.zeros(len(m.layers), FRAMES + 1, PAGE, config.kv_cache_dim, device=device))
+            PagedKVPool.allocate(len(m.layers), FRAMES + 1, PAGE, config.kv_cache_dim, dtype, device=device)
             for m in models
         ]
         self.engines = [
-            build_graph_engine(config, LIMITS, N, FRAMES + 1, PAGE, family=family, device=device) if graphs else None
+            build_graph_engine(config, LIMITS, N, FRAMES + 1, PAGE, dtype, device, family) if graphs else None
             for _ in models
         ]
 
