@@ -7,7 +7,7 @@ STAMP := $(VENV)/.nanocp-installed
 SOURCES := pyproject.toml CMakeLists.txt $(wildcard control_plane/csrc/*.cpp control_plane/csrc/*.h data_plane/csrc/*.cpp)
 HAS_CUDA := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
 
-.PHONY: install test lint format serve slow reliability bench clean
+.PHONY: install test lint format serve slow reliability bench gpu-check clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -46,6 +46,12 @@ serve: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python -m nanocp.bench.run_all
+
+# On a GPU machine's own Python (no virtual environment): build against its torch, then run the prepared check
+# (docs/gpu.md). Results go to $OUT (the lent machine's output folder) or ./gpu_check.
+gpu-check:
+	CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) $(PY) -m pip install -q --no-build-isolation --no-deps --no-index -e .
+	$(PY) -m nanocp.bench.gpu_check --out $${OUT:-gpu_check}
 
 clean:
 	rm -rf build $(VENV)
