@@ -1,7 +1,7 @@
 """GPU bring-up: the one prepared command a lent GPU machine runs (`make gpu-check`, docs/gpu.md), and its CPU dry
 run (`--dry-run`: the same steps on the CPU at tiny sizes; part of the test suite, so the script cannot rot).
 
-    python -m nanocp.bench.gpu_check --out DIR [--dry-run] [--budget-s 420]
+    python -m nanocp.bench.gpu_check --out DIR [--dry-run] [--budget-s 330]
 
 Steps, each in its own process with its own time limit (a failure or a hang costs that step only):
 1. env: the GPU, driver, CUDA, torch and Triton versions; which GPU libraries import and which backend the data
@@ -326,7 +326,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m nanocp.bench.gpu_check", description=__doc__.splitlines()[0])
     p.add_argument("--out", default=".", help="directory for the results (default: the current directory)")
     p.add_argument("--dry-run", action="store_true", help="the same steps on the CPU at tiny sizes")
-    p.add_argument("--budget-s", type=float, default=420.0, help="seconds for all steps together (default 420)")
+    p.add_argument("--budget-s", type=float, default=330.0, help="seconds for all steps together (default 330)")
     p.add_argument("--step", choices=STEPS, help=argparse.SUPPRESS)  # internal: run one step in this process
     p.add_argument("--result", help=argparse.SUPPRESS)
     args = p.parse_args(argv)

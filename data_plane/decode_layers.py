@@ -552,9 +552,9 @@ def routed_experts_sum(
     order = np.argsort(local, kind="stable")  # pairs by (expert, token)
     counts = np.bincount(local, minlength=experts.gate_up.shape[0])
     starts = np.cumsum(counts) - counts
-    token = torch.from_numpy(order // k)
-    weight = topk_weights.reshape(-1)[torch.from_numpy(order)].float()[:, None]  # [T * k, 1]
-    out = torch.zeros(t, x.shape[1], dtype=torch.float32)
+    token = torch.from_numpy(order // k).to(x.device)
+    weight = topk_weights.reshape(-1)[torch.from_numpy(order).to(x.device)].float()[:, None]  # [T * k, 1]
+    out = torch.zeros(t, x.shape[1], dtype=torch.float32, device=x.device)
     for e in np.nonzero(counts)[0].tolist():
         part = slice(int(starts[e]), int(starts[e] + counts[e]))
         y = swiglu(x.index_select(0, token[part]) @ experts.gate_up[e]) @ experts.down[e]
