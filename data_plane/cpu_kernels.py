@@ -11,22 +11,85 @@ device; tests/test_cpu_kernels.py compares the two.
 `usable(t)` says whether a tensor can take the fused path: fp32, on CPU, the extension built, and the path not
 switched off with NANOCP_CPU_KERNELS=0 (or `set_enabled(False)`, which tests and the benchmark use to run the
 torch reference side by side).
+
+The extension is built at several vector widths side by side (CMakeLists.txt): "native" (-march=native: 16 fp32
+lanes with AVX-512, 8 with AVX2), "avx2" (x86-64-v3: 8 lanes, FMA) and "portable" (x86-64's SSE2: 4 lanes). The
+kernels run the "native" build unless NANOCP_CPU_KERNELS_WIDTH names another (an error where that build is missing
+or this CPU cannot run it); `use_width` switches at run time (tests/test_cpu_kernels.py runs every width this
+machine can run). Panels packed by `pack_panels` fit the width they were packed for only.
 """
 
 from __future__ import annotations
 
+import importlib
 import os
+from types import ModuleType
 from typing import NamedTuple
 
 import numpy as np
 import torch
 
 try:
-    from nanocp.data_plane import _cpu_kernels as _k
+    from nanocp.data_plane import _cpu_kernels as _native
 except ImportError:  # a source tree without the built extension: the torch path only
-    _k = None
+    _native = None
 
+# The builds of the kernels by width name -> (module, the CPU features it needs beyond x86-64's baseline).
+WIDTHS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "native": ("_cpu_kernels", ()),
+    "avx2": ("_cpu_kernels_avx2", ("avx", "avx2", "fma", "bmi", "bmi2")),
+    "portable": ("_cpu_kernels_portable", ()),
+}
+
+
+def _load_width(width: str) -> tuple[ModuleType | None, str | None]:
+    """(the build of the kernels at `width`, None) or (None, why it cannot be used on this machine)."""
+    if width not in WIDTHS:
+        raise ValueError(f"unknown CPU kernel width {width!r}: one of {', '.join(WIDTHS)}")
+    if _native is None:
+        return None, "the extension nanocp.data_plane._cpu_kernels is not built"
+    if width == "native":
+        return _native, None
+    module, needs = WIDTHS[width]
+    missing = [f for f in needs if not _native.cpu_supports.get(f, False)]
+    if missing:  # checked before the import: a module using instructions this CPU lacks could die loading
+        return None, f"this CPU lacks {', '.join(missing)}"
+    try:
+        return importlib.import_module(f"nanocp.data_plane.{module}"), None
+    except ImportError:
+        return None, f"nanocp.data_plane.{module} is not built (CMake option NANOCP_WIDTH_BUILDS, x86-64 compilers)"
+
+
+def width_unavailable_reason(width: str) -> str | None:
+    """Why the kernels' build at `width` cannot run here (None when it can)."""
+    return _load_width(width)[1]
+
+
+def _select(width: str) -> ModuleType:
+    module, reason = _load_width(width)
+    if module is None:
+        raise RuntimeError(f"CPU kernels at width {width!r}: {reason}")
+    return module
+
+
+_width = os.environ.get("NANOCP_CPU_KERNELS_WIDTH", "native")
+_k = _select(_width) if _width != "native" else _native
 _enabled = _k is not None and os.environ.get("NANOCP_CPU_KERNELS", "1") != "0"
+
+
+def current_width() -> str:
+    """The width name of the kernels in use ("native" also when the extension is not built)."""
+    return _width
+
+
+def use_width(width: str) -> str:
+    """Run the kernels' build at `width` from now on (a RuntimeError where it cannot run here); returns the width
+    used before. Weights packed with `pack_panels` must be packed again: panel widths differ between builds."""
+    global _k, _width
+    module = _select(width)
+    previous = _width
+    _k, _width = module, width
+    return previous
 
 
 def unavailable_reason() -> str | None:
@@ -39,8 +102,8 @@ def unavailable_reason() -> str | None:
 
 
 def vector_lanes() -> int | None:
-    """fp32 lanes of the vector registers the extension was built for (16: AVX-512, 8: AVX2, 4: SSE in a portable
-    build); None without it."""
+    """fp32 lanes of the vector registers the kernels in use were built for (16: AVX-512, 8: AVX2, 4: SSE in a
+    portable build); None without the extension."""
     return None if _k is None else int(_k.vector_lanes)
 
 
