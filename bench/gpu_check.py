@@ -143,7 +143,8 @@ def run_tests(dry_run: bool, timeout_s: float) -> dict[str, Any]:
         env.pop(DRY_RUN_ENV, None)
     with tempfile.TemporaryDirectory() as tmp:
         junit = Path(tmp) / "junit.xml"
-        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={junit}", *files]
+        cmd = [sys.executable, "-m", "pytest", "-q", "--tb=short", "-p", "no:cacheprovider", f"--junitxml={junit}"]
+        cmd += files
         proc, elapsed = _run(cmd, timeout_s, env, cwd=REPO)
         cases = junit_outcomes(junit) if junit.is_file() else []
     counts = {k: sum(c["outcome"] == k for c in cases) for k in ("passed", "failed", "error", "skipped")}
@@ -153,7 +154,7 @@ def run_tests(dry_run: bool, timeout_s: float) -> dict[str, Any]:
         "seconds": round(elapsed, 1),
         "counts": counts,
         "cases": cases,
-        "output_tail": _tail(proc),
+        "output_tail": _tail(proc, 30000),
     }
 
 

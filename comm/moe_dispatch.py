@@ -134,14 +134,14 @@ class LowLatencyDispatcher:
         check_dispatch_inputs(x, topk_idx, self.hidden, self.max_tokens, self.dtype, self.num_experts)
         self._seq += 1
         fabric, rank, ranks, lx = self.fabric, self.fabric.rank, self.fabric.world_size, self.local_experts
-        expert, token, slot, counts, starts = self._layout(topk_idx)
+        expert, token, slot, counts, starts = self._layout(topk_idx.cpu())  # host bookkeeping
         for dst in range(ranks):
             fabric.put(dst, self._names["count"], rank, counts[dst * lx : (dst + 1) * lx].to(torch.int32)[None])
         for e in torch.nonzero(counts).flatten().tolist():
             dst, local = divmod(e, lx)
             tokens = token[starts[e] : starts[e] + counts[e]]  # ascending source token ids
             row = (local * ranks + rank) * self.max_tokens
-            fabric.put(dst, self._names["x"], row, x.index_select(0, tokens))
+            fabric.put(dst, self._names["x"], row, x.index_select(0, tokens.to(x.device)))
             fabric.put(dst, self._names["src"], row, tokens.to(torch.int32))
         for dst in range(ranks):
             fabric.signal(dst, self.dispatch_flag + rank, self._seq)
@@ -202,15 +202,17 @@ class LowLatencyDispatcher:
     def _received_sources(self, layout: torch.Tensor) -> torch.Tensor:
         ranks, mt = self.fabric.world_size, self.max_tokens
         src = self.fabric.buffer(self._names["src"]).view(self.local_experts, ranks, mt)
-        filled = torch.arange(mt) < layout.T[:, :, None]  # [local_experts, ranks, max]
+        filled = (
+            torch.arange(mt, device=src.device) < layout.T.to(src.device)[:, :, None]
+        )  # [local_experts, ranks, max]
         return torch.where(filled, src, torch.full_like(src, -1)).reshape(self.local_experts, ranks * mt)
 
     def _reduce(
         self, outputs: torch.Tensor, handle: DispatchHandle, weights: torch.Tensor, dtype: torch.dtype
     ) -> torch.Tensor:
         """out[t] = sum over slots k in order of w[t, k] * outputs[e(t, k), slot(t, k)] in fp32."""
-        topk_idx, slot = handle.topk_idx, handle.slot
-        out = torch.zeros(topk_idx.shape[0], self.hidden, dtype=torch.float32)
+        topk_idx, slot = handle.topk_idx, handle.slot.to(handle.topk_idx.device)
+        out = torch.zeros(topk_idx.shape[0], self.hidden, dtype=torch.float32, device=outputs.device)
         for k in range(topk_idx.shape[1]):
             valid = topk_idx[:, k] >= 0
             if not bool(valid.any()):

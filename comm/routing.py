@@ -105,7 +105,7 @@ class RoutingBackend:
         runs = plan_puts(table)
         for run in runs:
             cut = run.src_slice
-            rows = src[cut] if cut is not None else src.index_select(0, run.src_rows)
+            rows = src[cut] if cut is not None else src.index_select(0, run.src_rows.to(src.device))
             self.fabric.put(run.dst, self.name, run.dst_row, rows)
             stats.puts += 1
             stats.rows += rows.shape[0]

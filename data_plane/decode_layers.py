@@ -277,7 +277,8 @@ class RopeTable:
     def cos_sin(self) -> np.ndarray:
         """[T, half, 2] fp32 (cos, sin) pairs, contiguous: what the fused CPU kernels read."""
         if self._cos_sin is None:
-            self._cos_sin = np.ascontiguousarray(torch.view_as_real(self.freqs.to(torch.complex64)).numpy())
+            pairs = torch.view_as_real(self.freqs.to(torch.complex64)).cpu()  # a GPU table's pairs: a host copy
+            self._cos_sin = np.ascontiguousarray(pairs.numpy())
         return self._cos_sin
 
     @property
@@ -315,6 +316,8 @@ class RopeCache:
             return RopeTable.at(self.rope, torch.from_numpy(positions))
         if top > len(self.freqs):
             self._grow(min(self.limit, max(top, 2 * len(self.freqs), 1024)))
+        if not self.freqs.is_cpu:  # a GPU model: its rows on the GPU, the host pairs only if a kernel asks
+            return RopeTable(self.freqs[torch.from_numpy(positions).to(self.freqs.device)])
         if self.freqs.dtype == torch.complex64:  # the complex rows only where a torch path asks for them
             return RopeTable(None, self.cos_sin[positions])
         return RopeTable(self.freqs[torch.from_numpy(positions)], self.cos_sin[positions])

@@ -500,7 +500,7 @@ def _expert_rows(handle, local: int, max_tokens: int) -> torch.Tensor:
 
 def _slab_rows(counts: torch.Tensor, max_tokens: int) -> torch.Tensor:
     """Rows of an expert's receive slab that hold tokens: source s sent counts[s] rows from row s * max_tokens."""
-    counts = counts.long()
+    counts = counts.long().cpu()  # host bookkeeping (the layout may live on a GPU)
     skip = torch.arange(len(counts)) * max_tokens - (torch.cumsum(counts, 0) - counts)  # [ranks]
     return torch.repeat_interleave(skip, counts) + torch.arange(int(counts.sum()))
 
