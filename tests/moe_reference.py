@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import tolerances as tol
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -51,6 +52,21 @@ def reference_combine(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> to
         valid = idx[:, k] >= 0
         out[valid] += w[valid, k, None].float() * expert_fn(x[valid], idx[valid, k]).float()
     return out.to(x.dtype)
+
+
+def combine_bound(
+    x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, base: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The fp32 error bound of one evaluation of reference_combine (+ base) in any order (tests/tolerances.py): a
+    sum of k products (and the base) errs by at most gamma(k (+ 1)) times the sum of the terms' magnitudes. Two
+    evaluations (the packed exchange, the reference) differ by at most twice this."""
+    terms = torch.zeros(x.shape, dtype=torch.float64)
+    for k in range(idx.shape[1]):
+        valid = idx[:, k] >= 0
+        terms[valid] += (w[valid, k, None].double() * expert_fn(x[valid], idx[valid, k]).double()).abs()
+    if base is None:
+        return tol.gamma(idx.shape[1]) * terms
+    return tol.gamma(idx.shape[1] + 1) * (terms + base.double().abs())
 
 
 def gate_config(base, experts: int, n_group: int, topk_group: int, top_k: int, normalize: bool, scale: float):

@@ -7,6 +7,7 @@ import threading
 import time
 
 import pytest
+import tolerances as tol
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -238,9 +239,10 @@ def _process_scenario(fabric) -> dict:
     local0 = rank * disp.local_experts
     scale = torch.arange(local0, local0 + disp.local_experts, dtype=torch.float32)[:, None, None] + 1
     out = disp.combine(recv_x * scale, idx, w, handle)
-    ref = torch.zeros(4, 8)
+    ref, terms = torch.zeros(4, 8), torch.zeros(4, 8)
     for k in range(idx.shape[1]):
         ref += w[:, k, None] * (x * (idx[:, k, None].float() + 1))
+        terms += (w[:, k, None] * (x * (idx[:, k, None].float() + 1))).abs()
     fabric.barrier(20)
     peer = fabric.peer_buffer((rank + 1) % world, "stress")  # mapped across processes only by shared memory
     return {
@@ -248,7 +250,9 @@ def _process_scenario(fabric) -> dict:
         "ordered": ok,
         "timed_out": timed_out,
         "routed": torch.equal(recv, expect),
-        "combine": torch.allclose(out, ref, rtol=1e-6, atol=1e-6),
+        # two fp32 sums of k products (the same products: an elementwise expert), in any order: each within
+        # gamma(k) sum |terms| (tests/tolerances.py)
+        "combine": bool(((out - ref).abs() <= 2 * tol.gamma(idx.shape[1]) * terms + tol.TINY).all()),
     }
 
 

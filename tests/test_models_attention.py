@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 import pytest
+import tolerances as tol
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -61,8 +62,49 @@ def test_absorbed_decode_equals_non_absorbed_attention(layer_idx):
     plain = mla_prefill_output(layer, o)
 
     assert torch.equal(kv_new, kv_new_prefill)
-    torch.testing.assert_close(lse_absorbed, lse_plain, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(absorbed, plain, rtol=1e-5, atol=1e-5 * plain.abs().max().item())
+    # both from the same fp32 q (nope | roped pe) and latent rows: the two orders' fp32 bounds (tests/tolerances.py)
+    nope = CONFIG.qk_nope_head_dim
+    lse_a, out_a, lse_p, out_p = absorbed_and_plain_bounds(layer, q[..., :nope], q[..., nope:], kv, scale)
+    tol.assert_within(lse_absorbed, lse_plain, lse_a + lse_p, "lse")
+    tol.assert_within(absorbed, plain, out_a + out_p, "output")
+
+
+def per_head(x: tol.Bounded | torch.Tensor) -> tol.Bounded:
+    """[T, H, ...] <-> [H, T, ...]."""
+    x = tol.as_bounded(x)
+    return tol.Bounded(x.value.transpose(0, 1), x.err.transpose(0, 1))
+
+
+def absorbed_and_plain_bounds(layer, q_nope, q_pe, kv, scale):
+    """The fp32 bounds of the lse and the attention output [T, D] by the absorbed decode form (W_UK into the query,
+    attention over the latent rows, W_UV after) and by the plain one (k, v expanded per head from the latent rows):
+    per head q_nope W_UK_h and o W_UV_h, the expansion and the projections as tolerances.linear, the attention as
+    tolerances.attention, each step carrying the errors of its inputs."""
+    lora, t = CONFIG.kv_lora_rank, q_nope.shape[0]
+    o_proj = layer.attn.o_proj.T  # [H * v, D]
+    # absorbed: q_latent = [q_nope W_UK | q_pe] over the latent rows, o = o_latent W_UV per head, then o_proj
+    q_latent = per_head(tol.linear(per_head(q_nope), layer.w_uk))  # [T, H, kv_lora]
+    q_latent = tol.Bounded(
+        torch.cat([q_latent.value, q_pe.double()], -1), torch.cat([q_latent.err, torch.zeros_like(q_pe.double())], -1)
+    )
+    rows = kv.expand(t, -1, -1)
+    absorbed = tol.attention(q_latent, rows, torch.full((t,), kv.shape[0]), scale, lora)
+    o = per_head(tol.linear(per_head(absorbed.o), layer.w_uv.transpose(1, 2)))  # [T, H, v]
+    out_a = tol.linear(tol.Bounded(o.value.flatten(1), o.err.flatten(1)), o_proj)
+    # plain: k_nope, v = c_kv W_kv_b per head, attention per head, then o_proj
+    heads = tol.linear(kv[:, :lora], layer.attn.kv_b_proj.T)  # [N, H * (nope + v)]
+    heads = tol.Bounded(heads.value.view(kv.shape[0], HEADS, -1), heads.err.view(kv.shape[0], HEADS, -1))
+    nope = q_nope.shape[-1]
+    k_pe = kv[:, None, lora:].double().expand(-1, HEADS, -1)
+    k = tol.Bounded(torch.cat([heads.value[..., :nope], k_pe], -1), torch.cat([heads.err[..., :nope], 0 * k_pe], -1))
+    v = tol.Bounded(heads.value[..., nope:], heads.err[..., nope:])
+    q = tol.exact(torch.cat([q_nope, q_pe], -1))
+    all_rows = torch.ones(1, 1, kv.shape[0], dtype=torch.bool)
+    plain = tol.attention(per_head(q), per_head(k), all_rows, scale, v=per_head(v))  # [H, T, ...]
+    o = per_head(plain.o)
+    out_p = tol.linear(tol.Bounded(o.value.flatten(1), o.err.flatten(1)), o_proj)
+    assert torch.allclose(out_a.value, out_p.value, rtol=1e-9, atol=1e-9)  # the same exact value
+    return absorbed.lse.err, out_a.err, plain.lse.err.transpose(0, 1), out_p.err
 
 
 def _full_and_sharded(lens: list[int], shard_of_token: list[list[int]], num_shards: int, seed: int):
@@ -72,7 +114,8 @@ def _full_and_sharded(lens: list[int], shard_of_token: list[list[int]], num_shar
     kv = torch.randn(b, n, DQK, generator=gen)
     scale = 0.3
     full = mla_attention_with_lse(q, kv, torch.tensor(lens), scale, DV)
-    os, lses = [], []
+    full_bound = tol.attention(q, kv, torch.tensor(lens), scale, DV)
+    os, lses, parts = [], [], []
     for s in range(num_shards):
         shard_lens = [sum(1 for t in range(lens[r]) if shard_of_token[r][t] == s) for r in range(b)]
         shard_kv = torch.zeros(b, n, DQK)
@@ -82,7 +125,33 @@ def _full_and_sharded(lens: list[int], shard_of_token: list[list[int]], num_shar
         o, lse = mla_attention_with_lse(q, shard_kv, torch.tensor(shard_lens), scale, DV)
         os.append(o)
         lses.append(lse)
-    return full, merge_attention_partials(torch.stack(os), torch.stack(lses))
+        parts.append(tol.attention(q, shard_kv, torch.tensor(shard_lens), scale, DV))
+    merged_bound = merge_bounds(parts)
+    return full, merge_attention_partials(torch.stack(os), torch.stack(lses)), full_bound, merged_bound
+
+
+def merge_bounds(parts: list[tol.Attention]) -> tol.Attention:
+    """The bound of the LSE merge of partial attentions, each partial with its own fp32 bound (tests/tolerances.py)."""
+    o = tol.Bounded(torch.stack([p.o.value for p in parts]), torch.stack([p.o.err for p in parts]))
+    lse = tol.Bounded(torch.stack([p.lse.value for p in parts]), torch.stack([p.lse.err for p in parts]))
+    return tol.merge(o, lse)
+
+
+def causal_bound(q, k, v, q_positions, kv_positions, scale) -> tol.Attention:
+    """tolerances.attention of mla_prefill_attention_with_lse's causal attention: per head, every query over the
+    keys at positions <= its own; o [T, H, Dv], lse [T, H]."""
+    visible = kv_positions[None, :] <= q_positions[:, None]  # [T, N]
+    a = tol.attention(q.transpose(0, 1), k.transpose(0, 1), visible[None], scale, v=v.transpose(0, 1))
+    return tol.Attention(
+        tol.Bounded(a.o.value.transpose(0, 1), a.o.err.transpose(0, 1)),
+        tol.Bounded(a.lse.value.transpose(0, 1), a.lse.err.transpose(0, 1)),
+    )
+
+
+def assert_attention_close(o, lse, bound: tol.Attention, o_want, lse_want, want_bound: tol.Attention) -> None:
+    """Two fp32 evaluations of the same attention: within the sum of their bounds."""
+    tol.assert_within(lse, lse_want, bound.lse.err + want_bound.lse.err, "lse")
+    tol.assert_within(o, o_want, bound.o.err + want_bound.o.err, "o")
 
 
 @st.composite
@@ -98,10 +167,9 @@ def _splits(draw):
 def test_lse_merge_of_any_kv_split_equals_whole_attention(split):
     """Tokens go to shards arbitrarily (keys carry their own positions), shards may be empty."""
     lens, shard_of_token, num_shards, seed = split
-    (o_full, lse_full), (o_merged, lse_merged) = _full_and_sharded(lens, shard_of_token, num_shards, seed)
+    (o_full, lse_full), (o_merged, lse_merged), full, merged = _full_and_sharded(lens, shard_of_token, num_shards, seed)
     assert not torch.isnan(o_merged).any() and not torch.isnan(lse_merged).any()
-    torch.testing.assert_close(lse_merged, lse_full, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(o_merged, o_full, rtol=1e-5, atol=1e-5)
+    assert_attention_close(o_merged, lse_merged, merged, o_full, lse_full, full)
     for r, n in enumerate(lens):
         if n == 0:  # no KV at all: o = 0, lse = -inf
             assert torch.all(o_merged[r] == 0) and torch.all(lse_merged[r] == -math.inf)
@@ -120,7 +188,7 @@ def test_merge_with_one_part_is_identity_and_all_empty_stays_empty():
     lse = torch.randn(1, 3, HEADS)
     merged_o, merged_lse = merge_attention_partials(o, lse)
     assert torch.equal(merged_lse, lse[0])
-    torch.testing.assert_close(merged_o, o[0], rtol=0, atol=1e-7)
+    tol.assert_within(merged_o, o[0], tol.merge(o, lse).o.err)
     empty_o, empty_lse = merge_attention_partials(torch.zeros(3, 2, HEADS, DV), torch.full((3, 2, HEADS), -math.inf))
     assert torch.all(empty_o == 0) and torch.all(empty_lse == -math.inf)
 
@@ -162,13 +230,11 @@ def test_prefill_attention_chunks_of_keys_merge_to_causal_attention(cuts, seed):
     positions = torch.arange(t)
     o_full, lse_full = mla_prefill_attention_with_lse(q, k, v, positions, positions, 0.25)
     bounds = [0, *sorted(cuts), t]
-    partials = [
-        mla_prefill_attention_with_lse(q, k[a:b], v[a:b], positions, positions[a:b], 0.25)
-        for a, b in zip(bounds, bounds[1:])
-    ]
+    chunks = list(zip(bounds, bounds[1:]))
+    partials = [mla_prefill_attention_with_lse(q, k[a:b], v[a:b], positions, positions[a:b], 0.25) for a, b in chunks]
     o, lse = merge_attention_partials(torch.stack([p[0] for p in partials]), torch.stack([p[1] for p in partials]))
-    torch.testing.assert_close(lse, lse_full, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(o, o_full, rtol=1e-5, atol=1e-5)
+    merged = merge_bounds([causal_bound(q, k[a:b], v[a:b], positions, positions[a:b], 0.25) for a, b in chunks])
+    assert_attention_close(o, lse, merged, o_full, lse_full, causal_bound(q, k, v, positions, positions, 0.25))
 
 
 def test_chunked_prefill_with_past_kv_equals_whole_prompt():

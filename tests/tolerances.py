@@ -214,11 +214,14 @@ def attention(
     kv: Bounded | torch.Tensor,
     lens: torch.Tensor,
     scale: float,
-    v_dim: int,
+    v_dim: int = 0,
     chunk: int | None = None,
+    v: Bounded | torch.Tensor | None = None,
 ) -> Attention:
     """MLA attention of q [S, H, D] over the first lens[s] rows of kv [S, N, D] (k = the row, v = its first v_dim
-    values), scores scale * q.k: o = sum_t p_t v_t, lse = log sum_t e^(s_t), p = softmax(s).
+    values), scores scale * q.k: o = sum_t p_t v_t, lse = log sum_t e^(s_t), p = softmax(s). `lens` may instead be
+    a mask of the rows each query sees, [S, H, N] or broadcastable to it (causal attention), and `v` [S, N, Dv] the
+    values when they are not the rows' first v_dim values.
 
     The fp32 evaluation bounded is either the fused kernel's online softmax (`chunk` rows at a time: a running max
     m, exp(s_t - m), running sums rescaled by exp(m_old - m_new) when the max rises, o = acc / sum) or, with
@@ -238,8 +241,14 @@ def attention(
     q, kv = as_bounded(q), as_bounded(kv)
     shards, heads, dqk = q.value.shape
     n_rows = kv.value.shape[1]
-    valid = torch.arange(n_rows)[None, :] < lens.long()[:, None]  # [S, N]
-    mask = valid[:, None, :]  # [S, 1, N]
+    if n_rows == 0:  # no rows at all: o = 0, lse = -inf, exactly
+        dv = v_dim if v is None else as_bounded(v).value.shape[-1]
+        o, lse = torch.zeros(shards, heads, dv, dtype=torch.float64), torch.full((shards, heads), -math.inf)
+        return Attention(Bounded(o, torch.zeros_like(o)), Bounded(lse.double(), torch.zeros_like(lse).double()))
+    if lens.dtype == torch.bool:
+        mask = lens.expand(shards, heads, n_rows)
+    else:
+        mask = (torch.arange(n_rows)[None, :] < lens.long()[:, None])[:, None, :].expand(shards, heads, n_rows)
     scores = torch.einsum("shd,snd->shn", q.value, kv.value) * scale
     score_err = abs(scale) * (
         torch.einsum("shd,snd->shn", q.err, kv.mag)
@@ -256,8 +265,11 @@ def attention(
     nonempty = total > 0
     safe_total = total.where(nonempty, torch.ones_like(total))
     p = e / safe_total
-    v = kv.value[..., :v_dim]
-    v_err = kv.err[..., :v_dim]
+    if v is None:
+        v, v_err = kv.value[..., :v_dim], kv.err[..., :v_dim]
+    else:
+        v = as_bounded(v)
+        v, v_err = v.value, v.err
     o = torch.einsum("shn,snc->shc", p, v)
     log_total = torch.log(safe_total)
     lse = (
@@ -275,7 +287,7 @@ def attention(
     o_from_v = grow * torch.einsum("shn,snc->shc", p, v_err)
 
     # rounding, given the scores
-    n = lens.double()[:, None, None]  # [S, 1, 1]
+    n = mask.sum(-1, keepdim=True).double()  # [S, H, 1] rows each query sees
     chunks = torch.ones_like(n) if chunk is None else torch.ceil(n / chunk).clamp(min=1)
     x_max = (-x).where(mask, torch.zeros_like(x)).amax(-1, keepdim=True)
     exp_rel = gamma(FUNC) + U * (-x)  # [S, H, N], per term
@@ -342,7 +354,7 @@ def merge(o: Bounded | torch.Tensor, lse: Bounded | torch.Tensor) -> Attention:
     # after-lse form: each w_k with lse's rounding, its exp and argument, then a sum of k products
     w_rel = torch.expm1(lse_round) + gamma(FUNC) + U * (x_abs + log_total.abs())
     after = (w[..., None] * w_rel[..., None] * o.mag).sum(0) + gamma(k) * weighted_o + TINY
-    o_err = grow[..., None] * torch.maximum(online, after).squeeze(0) + o_from_inputs.squeeze(0)
+    o_err = (grow[..., None] * torch.maximum(online, after) + o_from_inputs).squeeze(0)  # [..., Dv]
     keep = nonempty.squeeze(0)
     return Attention(
         Bounded(
