@@ -1,18 +1,23 @@
 """The eager decode path's prepared-weight math (data_plane/decode_layers.py) against the reference phase functions
 (models/deepseek_v3.py), on random inputs, for configs that take every branch (q_lora or plain q_proj, rope with
 and without interleave, absorbed or per-head W_UK / W_UV, grouped gates, shared experts); and the CPU shard
-attention backend against the reference paged attention."""
+attention backend against the reference paged attention. Both sides are fp32 evaluations of the same steps: they
+must agree within the sum of their error bounds (tests/model_bounds.py, tests/tolerances.py); steps that run the
+same arithmetic are compared bit for bit."""
 
 from __future__ import annotations
 
 import dataclasses
 
+import model_bounds as mb
 import numpy as np
 import pytest
+import tolerances as tol
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from nanocp.data_plane import cpu_kernels
 from nanocp.data_plane import decode_layers as dl
 from nanocp.data_plane.backends.cpu_attention import CpuPagedAttention, fused_attention_unavailable_reason
 from nanocp.models import (
@@ -42,10 +47,6 @@ CONFIGS = {
 pytestmark = pytest.mark.usefixtures("cpu_kernel_path")  # every test on both paths (tests/conftest.py)
 
 
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).abs().max() / b.abs().max().clamp(min=1e-30))
-
-
 @pytest.fixture(scope="module", params=[(name, absorb) for name in sorted(CONFIGS) for absorb in (True, False)])
 def prepared(request):
     """(reference weights, prepared weights); absorb=False forces the per-head W_UK / W_UV products."""
@@ -72,10 +73,15 @@ def test_projection_and_output_equal_the_reference(prepared, rows):
         q_ref, kv_ref = mla_decode_qkv(layer, h, positions)
         q, kv = dl.project(w, c, h, dl.RopeTable.at(weights.rope, positions))
         assert q.shape == q_ref.shape and kv.shape == kv_ref.shape
-        assert rel_err(q, q_ref) < 1e-5 and rel_err(kv, kv_ref) < 1e-5
+        q_bound, kv_bound = mb.decode_qkv(layer, h, positions)
+        q_ours, kv_ours = mb.decode_qkv(layer, h, positions, absorbed=w.attn.w_uk is None)
+        tol.assert_within(q, q_ref, q_bound.err + q_ours.err, "q_latent")
+        tol.assert_within(kv, kv_ref, kv_bound.err + kv_ours.err, "kv")
         o = torch.randn(rows, c.num_attention_heads, c.kv_lora_rank, generator=gen)
-        assert rel_err(dl.add_attention_output(w, h, o), h + mla_decode_output(layer, o)) < 1e-5
-        assert rel_err(dl.ffn_input(w, c, h), post_attention_norm(layer, h)) < 1e-6
+        out = mb.decode_output(layer, o, h).err + mb.decode_output(layer, o, h, absorbed=w.attn.w_uv is None).err
+        tol.assert_within(dl.add_attention_output(w, h, o), h + mla_decode_output(layer, o), out, "output")
+        norm = tol.rms_norm(h, layer.post_attention_norm, c.rms_norm_eps)
+        tol.assert_within(dl.ffn_input(w, c, h), post_attention_norm(layer, h), 2 * norm.err, "ffn input")
 
 
 @pytest.mark.parametrize("rows", [1, 6, 33])
@@ -138,13 +144,16 @@ def test_ffn_gate_and_logits_equal_the_reference(prepared):
     x, h = torch.randn(9, c.hidden_size, generator=gen), torch.randn(9, c.hidden_size, generator=gen)
     for layer, w in zip(model.layers, weights.layers):
         if layer.moe is None:
-            assert rel_err(dl.add_mlp(w.mlp, x, h), h + dense_mlp(layer, x)) < 1e-5
+            bound = 2 * mb.mlp(layer.mlp, x, h).err
+            tol.assert_within(dl.add_mlp(w.mlp, x, h), h + dense_mlp(layer, x), bound, "dense MLP")
             continue
-        idx, weight = dl.moe_gate(w, c, x)
-        idx_ref, weight_ref = moe_gate(layer, x)
-        assert torch.equal(idx, idx_ref) and rel_err(weight, weight_ref) < 1e-6
-        assert rel_err(dl.add_mlp(w.shared, x, h), h + shared_expert(layer, x)) < 1e-5
-    assert rel_err(dl.final_logits(weights, h), logits(model, h)) < 1e-5
+        rule = (c.n_group, c.topk_group, c.norm_topk_prob, c.routed_scaling_factor)
+        bias = layer.moe.e_score_correction_bias
+        for name, (idx, weight) in {"ours": dl.moe_gate(w, c, x), "reference": moe_gate(layer, x)}.items():
+            tol.check_gate(mb.gate_logits(layer, x), bias, *rule, idx, weight, f"{name} gate")
+        bound = 2 * mb.mlp(layer.moe.shared, x, h).err
+        tol.assert_within(dl.add_mlp(w.shared, x, h), h + shared_expert(layer, x), bound, "shared expert")
+    tol.assert_within(dl.final_logits(weights, h), logits(model, h), 2 * mb.final_logits(model, h).err, "logits")
 
 
 @settings(max_examples=25, deadline=None)
@@ -161,8 +170,8 @@ def test_grouped_experts_apply_each_token_its_expert(tokens, sources, seed):
     y = dl.grouped_experts(grouped, source, rows, local)
     assert y.shape == (tokens, TINY.hidden_size)
     for i in range(tokens):
-        want = expert_ffn(layer.moe.experts[local_experts[local[i]]], source[rows[i] : rows[i] + 1])[0]
-        assert rel_err(y[i], want) < 1e-5
+        expert, x = layer.moe.experts[local_experts[local[i]]], source[rows[i] : rows[i] + 1]
+        tol.assert_within(y[i], expert_ffn(expert, x)[0], 2 * mb.mlp(expert, x).err[0], f"token {i}")
 
 
 @pytest.mark.parametrize("interleave", [True, False])
@@ -175,11 +184,17 @@ def test_pair_rotation_equals_the_reference_rope(interleave):
     table = dl.RopeTable.at(rope, positions)
     want = rope.apply(x, positions)
     pairs = x[..., dl.rope_pair_order(config)]
-    assert rel_err(dl.rotate_pairs(pairs, table), want) < 1e-6
+    cos, sin = rope.cos_sin(positions)
+    tol.assert_within(dl.rotate_pairs(pairs, table), want, 2 * mb.rope(tol.exact(x), cos, sin, interleave).err)
     half = x.to(torch.bfloat16)  # the real-valued fallback (no complex bf16 on CPU)
     got = dl.rotate_pairs(half[..., dl.rope_pair_order(config)], table)
     assert got.dtype == torch.bfloat16
-    assert rel_err(got.float(), apply_rotary(half, *rope.cos_sin(positions), interleave).float()) < 1e-2
+    # both in bf16 from the same bf16 values and bf16 cos / sin: a product each and the add, rounded to bf16
+    # (u = 2^-8): gamma_bf16(2) (|x1 c| + |x2 s|) each
+    cos16, sin16 = cos.to(torch.bfloat16), sin.to(torch.bfloat16)
+    terms = mb.rope(tol.exact(half.float()), cos16.float(), sin16.float(), interleave)
+    bound = 2 * terms.err / tol.gamma(2) * tol.gamma(2, unit=2.0**-8)
+    tol.assert_within(got.float(), apply_rotary(half, *rope.cos_sin(positions), interleave).float(), bound)
 
 
 @pytest.mark.skipif(fused_attention_unavailable_reason() is not None, reason="no fused CPU attention kernel")
@@ -198,8 +213,13 @@ def test_cpu_attention_backend_equals_the_reference(shards, page, seed):
     o, lse = CpuPagedAttention()(q, kv_pages, block_table, lens, 0.3, dv)
     o_ref, lse_ref = mla_paged_attention_with_lse(q, kv_pages, block_table, lens, 0.3, dv)
     assert o.shape == o_ref.shape and lse.shape == lse_ref.shape and lse.dtype == torch.float32
-    torch.testing.assert_close(o, o_ref, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(lse, lse_ref, rtol=1e-5, atol=1e-5)
+    # the backend's fp32 form (the kernel's online softmax in chunks of whole pages, or the reference's) and the
+    # reference's, each within its bound (tests/tolerances.py)
+    kv = kv_pages[block_table.long()].reshape(shards, blocks * page, dqk)
+    chunk = max(page, 64 // page * page) if cpu_kernels.usable(q) else None
+    ours, ref = (tol.attention(q, kv, lens, 0.3, dv, chunk=size) for size in (chunk, None))
+    tol.assert_within(lse, lse_ref, ours.lse.err + ref.lse.err, "lse")
+    tol.assert_within(o, o_ref, ours.o.err + ref.o.err, "o")
     assert bool((lse[lens == 0] == float("-inf")).all())
 
 
@@ -216,6 +236,6 @@ def test_linear_takes_the_panel_kernel_for_decode_batches_and_equals_the_matrix_
     linear = dl.Linear.of(torch.randn(48, 37, generator=gen).T)  # [in 37, out 48], made contiguous
     x, base = torch.randn(rows, 37, generator=gen), torch.randn(rows, 48, generator=gen)
     assert linear.takes(x) == (cpu_kernel_path == "cpu-kernels" and rows <= dl.PANEL_MAX_ROWS)
-    want = x.double() @ linear.weight.double()
-    assert rel_err(linear(x).double(), want) < 1e-5
-    assert rel_err(linear(x, base=base).double(), want + base.double()) < 1e-5
+    want, with_base = tol.linear(x, linear.weight), tol.linear(x, linear.weight, base)
+    tol.assert_within(linear(x), want.value, want.err)
+    tol.assert_within(linear(x, base=base), with_base.value, with_base.err)

@@ -42,9 +42,9 @@ SILU_SLOPE = 1.0999  # max |d/dx x sigmoid(x)| (1.0998 at x = 2.40)
 MARGIN = 2.0**-10  # relative: second-order terms
 
 
-def gamma(n: int | float | torch.Tensor) -> float | torch.Tensor:
-    """gamma(n) = n u / (1 - n u): the relative error bound of n roundings (n u < 1)."""
-    return n * U / (1 - n * U)
+def gamma(n: int | float | torch.Tensor, unit: float = U) -> float | torch.Tensor:
+    """gamma(n) = n u / (1 - n u): the relative error bound of n roundings (n u < 1); `unit` = 2^-8 for bf16."""
+    return n * unit / (1 - n * unit)
 
 
 @dataclass
@@ -58,6 +58,18 @@ class Bounded:
     def mag(self) -> torch.Tensor:
         """The largest magnitude the fp32 evaluation can have: |value| + err."""
         return self.value.abs() + self.err
+
+    def __getitem__(self, index) -> Bounded:
+        return Bounded(self.value[index], self.err[index])
+
+    def map(self, f) -> Bounded:
+        """The same layout change (view, transpose, flatten, ...) of value and err."""
+        return Bounded(f(self.value), f(self.err))
+
+
+def cat(parts: list[Bounded | torch.Tensor], dim: int = -1) -> Bounded:
+    parts = [as_bounded(p) for p in parts]
+    return Bounded(torch.cat([p.value for p in parts], dim), torch.cat([p.err for p in parts], dim))
 
 
 def exact(t: torch.Tensor) -> Bounded:
@@ -193,11 +205,12 @@ def swiglu_mlp(
     return linear(a, down, base)
 
 
-def sigmoid(z: torch.Tensor) -> Bounded:
-    """1 / (1 + e^-z) of fp32 logits: exp (FUNC, shrunk by e / (1 + e) <= 1), the add and the division: FUNC + 2
-    roundings; below -87 the kernels' exp clamp errs by at most e^-87 < TINY absolutely."""
-    value = torch.sigmoid(z.double())
-    return Bounded(value, gamma(FUNC + 2) * value + TINY)
+def sigmoid(z: Bounded | torch.Tensor) -> Bounded:
+    """1 / (1 + e^-z): exp (FUNC, shrunk by e / (1 + e) <= 1), the add and the division: FUNC + 2 roundings; below
+    -87 the kernels' exp clamp errs by at most e^-87 < TINY absolutely; z's error through |sigmoid'| <= 1/4."""
+    z = as_bounded(z)
+    value = torch.sigmoid(z.value)
+    return Bounded(value, gamma(FUNC + 2) * value + TINY + z.err / 4)
 
 
 # ---- attention ---------------------------------------------------------------------------------------------------
@@ -369,7 +382,7 @@ def merge(o: Bounded | torch.Tensor, lse: Bounded | torch.Tensor) -> Attention:
 
 
 def check_gate(
-    logits: torch.Tensor,
+    logits: Bounded | torch.Tensor,
     bias: torch.Tensor,
     n_group: int,
     topk_group: int,
@@ -380,20 +393,21 @@ def check_gate(
     what: str = "gate",
 ) -> None:
     """DeepSeek-V3's gate (sigmoid scores, choice = score + bias, the topk_group groups with the best sums of their
-    two best choices, the top-k choices inside them, weights = the chosen scores normalised and scaled) of fp32
-    logits [T, E]: `idx`, `weights` [T, k] must be what an fp32 evaluation can give. A choice differs from its exact
-    value by at most sigmoid's bound plus the add's rounding, so the exact choices decide every comparison except
-    between values closer than their bounds: there either order is valid. Checked in pick order: each pick lies in
-    a group that can be among the topk_group best, and can beat every expert not yet picked of every group that is
-    surely kept. The weights of the picks: the scores (FUNC + 2 roundings), their sum (k - 1 adds), + 1e-20, the
-    division and the scale (rounded, then a product): gamma(2 (FUNC + 2) + k + 3) relatively (gamma(FUNC + 4)
-    without normalising)."""
+    two best choices, the top-k choices inside them, weights = the chosen scores normalised and scaled) of logits
+    [T, E] (fp32 inputs, or Bounded when computed): `idx`, `weights` [T, k] must be what an fp32 evaluation can
+    give. A choice differs from its exact value by at most sigmoid's bound plus the add's rounding, so the exact
+    choices decide every comparison except between values closer than their bounds: there either order is valid.
+    Checked in pick order: each pick lies in a group that can be among the topk_group best, and can beat every
+    expert not yet picked of every group that is surely kept. The weights of the picks: the scores (FUNC + 2
+    roundings), their sum (k - 1 adds), + 1e-20, the division and the scale (rounded, then a product):
+    gamma(2 (FUNC + 2) + k + 3) relatively (gamma(FUNC + 4) without normalising), plus the logits' errors carried
+    through sigmoid' <= 1/4 and the normalisation."""
     score = sigmoid(logits)
     b = bias.double()
     choice = score.value + b
     delta = score.err + U * (choice.abs() + score.err) + TINY  # one evaluation's error on each choice
     lo, hi = choice - delta, choice + delta
-    tokens, experts = logits.shape
+    tokens, experts = choice.shape
     k = idx.shape[1]
     per = experts // n_group
     for t in range(tokens):
@@ -420,10 +434,15 @@ def check_gate(
             )
             remaining.discard(j)
     picked = score.value.gather(1, idx.long())
+    picked_err = (as_bounded(logits).err / 4).gather(1, idx.long())  # the scores' error from the logits' errors
     if normalize:
-        want = picked / (picked.sum(-1, keepdim=True) + 1e-20) * scale
+        total = picked.sum(-1, keepdim=True) + 1e-20
+        want = picked / total * scale
         rel = gamma(2 * (FUNC + 2) + k + 3)
+        # d(w_i) = scale (d s_i / total - s_i sum_j d s_j / total^2)
+        carried = scale * (picked_err / total + picked * picked_err.sum(-1, keepdim=True) / total**2)
     else:
         want = picked * scale
         rel = gamma(FUNC + 4)
-    assert_within(weights, want, rel * want.abs(), f"{what} weights")
+        carried = scale * picked_err
+    assert_within(weights, want, rel * want.abs() + carried, f"{what} weights")

@@ -1,0 +1,84 @@
+"""fp32 error bounds of the DeepSeek-V3 decode steps (models/deepseek_v3.py), built from tests/tolerances.py.
+
+Each function follows one reference step op by op on tolerances.Bounded values (exact fp64 value + the bound on an
+fp32 evaluation's error), so a test compares two fp32 implementations of the step within the sum of their bounds.
+`absorbed=True` bounds the prepared-weight form of data_plane/decode_layers.py instead: W_UK folded into q_b and
+W_UV into o_proj, those products made in fp64 and rounded to fp32 once (tolerances.rounded), then one GEMM.
+"""
+
+from __future__ import annotations
+
+import tolerances as tol
+import torch
+
+from nanocp.models.deepseek_v3 import LATENT_NORM_EPS
+
+
+def per_head(x: tol.Bounded) -> tol.Bounded:
+    """[T, H, ...] <-> [H, T, ...]."""
+    return x.map(lambda t: t.transpose(0, 1))
+
+
+def rope(x: tol.Bounded, cos: torch.Tensor, sin: torch.Tensor, interleave: bool) -> tol.Bounded:
+    """models.apply_rotary of x [T, ..., rope] (pairs interleaved or halves), de-interleaved like it."""
+    half = x.value.shape[-1] // 2
+    x1, x2 = (x[..., 0::2], x[..., 1::2]) if interleave else (x[..., :half], x[..., half:])
+    shape = (cos.shape[0],) + (1,) * (x.value.dim() - 2) + (half,)
+    return tol.rotate(x1, x2, cos.view(shape), sin.view(shape))
+
+
+def decode_qkv(layer, h: torch.Tensor, positions: torch.Tensor, absorbed: bool = False):
+    """models.mla_decode_qkv: h [T, D] -> q_latent [T, H, kv_lora + rope], kv_new [T, kv_lora + rope]."""
+    c, a = layer.config, layer.attn
+    heads, nope, rope_dim, lora = c.num_attention_heads, c.qk_nope_head_dim, c.qk_rope_head_dim, c.kv_lora_rank
+    cos, sin = layer.rope.cos_sin(positions)
+    x = tol.rms_norm(h, layer.input_norm, c.rms_norm_eps)
+    if a.q_proj is not None:
+        q_in, q_weight = x, a.q_proj
+    else:
+        q_in, q_weight = tol.rms_norm(tol.linear(x, a.q_a_proj.T), a.q_a_norm, LATENT_NORM_EPS), a.q_b_proj
+    q_heads = q_weight.view(heads, nope + rope_dim, -1)  # [H, nope + rope, q_in]
+    q_pe = tol.linear(q_in, q_weight.T).map(lambda t: t.view(t.shape[0], heads, -1))[..., nope:]
+    q_pe = rope(q_pe, cos, sin, c.rope_interleave)
+    if absorbed:  # q_in @ (q_nope_h^T W_UK_h), the product rounded once
+        w = tol.rounded(torch.einsum("hnq,hnc->hqc", q_heads[:, :nope].double(), layer.w_uk.double()))
+        latent = per_head(tol.linear(q_in.map(lambda t: t.expand(heads, -1, -1)), w))
+    else:  # (q_in @ q_nope_h^T) @ W_UK_h
+        q_nope = tol.linear(q_in, q_weight.T).map(lambda t: t.view(t.shape[0], heads, -1))[..., :nope]
+        latent = per_head(tol.linear(per_head(q_nope), layer.w_uk))
+    compressed = tol.linear(x, a.kv_a_proj.T)
+    kv = tol.cat(
+        [
+            tol.rms_norm(compressed[:, :lora], a.kv_a_norm, LATENT_NORM_EPS),
+            rope(compressed[:, lora:], cos, sin, c.rope_interleave),
+        ]
+    )
+    return tol.cat([latent, q_pe]), kv
+
+
+def decode_output(layer, o_latent: torch.Tensor, h: torch.Tensor, absorbed: bool = False) -> tol.Bounded:
+    """h + models.mla_decode_output(layer, o_latent): o_latent [T, H, kv_lora], h [T, D] -> [T, D]."""
+    c = layer.config
+    heads, t = c.num_attention_heads, o_latent.shape[0]
+    o_proj = layer.attn.o_proj.T  # [H * v, D]
+    if absorbed:  # o_latent_h @ (W_UV_h^T o_proj_h^T), the product rounded once
+        w = torch.einsum("hvc,dhv->hcd", layer.w_uv.double(), layer.attn.o_proj.view(-1, heads, c.v_head_dim).double())
+        return tol.linear(o_latent.reshape(t, -1), tol.rounded(w.reshape(-1, w.shape[-1])), base=h)
+    o = per_head(tol.linear(per_head(tol.exact(o_latent)), layer.w_uv.transpose(1, 2)))  # [T, H, v]
+    return tol.linear(o.map(lambda x: x.reshape(t, -1)), o_proj, base=h)
+
+
+def mlp(weights, x: tol.Bounded | torch.Tensor, base: torch.Tensor | None = None) -> tol.Bounded:
+    """models.expert_ffn (+ base) of an MLPWeights."""
+    gate_up = torch.cat([weights.gate_proj.T, weights.up_proj.T], dim=1)  # [D, 2I]
+    return tol.swiglu_mlp(x, gate_up, weights.down_proj.T, base)
+
+
+def final_logits(model, h: torch.Tensor) -> tol.Bounded:
+    """models.logits: the final norm, then lm_head."""
+    return tol.linear(tol.rms_norm(h, model.norm, model.config.rms_norm_eps), model.lm_head.T)
+
+
+def gate_logits(layer, x: torch.Tensor) -> tol.Bounded:
+    """The MoE gate's logits x @ W_gate^T."""
+    return tol.linear(x, layer.moe.gate.float().T)
