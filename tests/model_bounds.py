@@ -82,3 +82,19 @@ def final_logits(model, h: torch.Tensor) -> tol.Bounded:
 def gate_logits(layer, x: torch.Tensor) -> tol.Bounded:
     """The MoE gate's logits x @ W_gate^T."""
     return tol.linear(x, layer.moe.gate.float().T)
+
+
+def moe_output(layer, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, adds: int = 0) -> tol.Bounded:
+    """models.moe_forward_reference given the gate's choice (idx, weights [T, k], fp32 values): the shared expert
+    plus sum_j weights_j * expert_j(x), rows [T, D]. The k + 1 terms are added in any order, with `adds` more
+    additions (of partial sums, of zeros) on the way: gamma(k + 1 + adds) of the terms' sizes."""
+    rows = []
+    for t in range(x.shape[0]):
+        terms = [] if layer.moe.shared is None else [mlp(layer.moe.shared, x[t : t + 1])]
+        for e, w in zip(idx[t].tolist(), weights[t].tolist()):
+            y = mlp(layer.moe.experts[e], x[t : t + 1])
+            terms.append(tol.Bounded(y.value * w, y.err * abs(w) + tol.U * y.mag * abs(w)))
+        value = sum(term.value for term in terms)
+        err = sum(term.err for term in terms) + tol.gamma(len(terms) + adds) * sum(term.mag for term in terms)
+        rows.append(tol.Bounded(value[0], err[0]))
+    return tol.Bounded(torch.stack([r.value for r in rows]), torch.stack([r.err for r in rows]))
