@@ -46,6 +46,7 @@ from .loader import (
     random_weights,
     save_tiny_checkpoint,
 )
+from .quantization import Fp8BlockQuantization, QuantizationError, dequantize_blocks
 from .rope import RotaryEmbedding, apply_rotary, softmax_scale
 from .tokenizer import ByteTokenizer, HFTokenizer, StreamDecoder, Tokenizer, TokenizerError, load_tokenizer
 
@@ -56,12 +57,14 @@ __all__ = [
     "ConfigError",
     "ContiguousKVCache",
     "DeepseekV3Weights",
+    "Fp8BlockQuantization",
     "HFTokenizer",
     "LayerWeights",
     "MLPWeights",
     "MoEWeights",
     "ModelConfig",
     "PrefillOutput",
+    "QuantizationError",
     "RandomTensorSource",
     "RotaryEmbedding",
     "SafetensorsCheckpoint",
@@ -74,6 +77,7 @@ __all__ = [
     "apply_rotary",
     "build_weights",
     "decode_step",
+    "dequantize_blocks",
     "dense_mlp",
     "embed",
     "expert_ffn",

@@ -9,6 +9,7 @@ transformers 5.x `save_pretrained` writes) and the fused in-memory layout (`mlp.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -81,6 +82,21 @@ def hf_tensor_shapes(config: ModelConfig, expert_ids: set[int] | None = None) ->
     if not c.tie_word_embeddings:
         shapes["lm_head.weight"] = (c.vocab_size, d)
     return shapes
+
+
+def kept_in_float32(name: str) -> bool:
+    """The gate's correction bias stays float32 whatever the compute dtype (as in HF)."""
+    return name.endswith("e_score_correction_bias")
+
+
+def materialised_bytes(
+    config: ModelConfig, expert_ids: set[int] | None = None, dtype: torch.dtype = torch.float32
+) -> int:
+    """Bytes of the weights a load materialises in dtype (routed experts: only expert_ids; None = all)."""
+    return sum(
+        math.prod(shape) * (4 if kept_in_float32(name) else dtype.itemsize)
+        for name, shape in hf_tensor_shapes(config, expert_ids).items()
+    )
 
 
 def _mlp_shapes(prefix: str, d: int, width: int) -> dict[str, tuple[int, ...]]:

@@ -14,8 +14,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .quantization import Fp8BlockQuantization, QuantizationError
+
 SUPPORTED_ARCHITECTURE = "DeepseekV3ForCausalLM"
 SUPPORTED_MODEL_TYPE = "deepseek_v3"
+# model_type values of DeepseekV3ForCausalLM checkpoints: DeepSeek-V3 / V3.1 / R1 and Moonlight say "deepseek_v3",
+# Kimi-K2 says "kimi_k2" (its remote code is DeepSeek-V3's); everything that changes the math is in the other keys.
+SUPPORTED_MODEL_TYPES = (SUPPORTED_MODEL_TYPE, "kimi_k2")
 
 
 class ConfigError(ValueError):
@@ -88,7 +93,9 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = (1,)
     pad_token_id: int | None = None
     tie_word_embeddings: bool = False
-    dtype: str = "float32"  # storage dtype of the checkpoint (informational)
+    dtype: str = "float32"  # storage dtype of the checkpoint's unquantized tensors (informational)
+    quantization: Fp8BlockQuantization | None = None  # FP8 block-quantized weights (dequantized at load)
+    model_type: str = SUPPORTED_MODEL_TYPE  # one of SUPPORTED_MODEL_TYPES (same math)
     name: str = field(default="", compare=False)
 
     def __post_init__(self) -> None:
@@ -123,6 +130,8 @@ class ModelConfig:
                 raise ConfigError(f"eos_token_id={eos} outside the vocabulary [0, {self.vocab_size})")
         if not self.rms_norm_eps > 0:
             raise ConfigError(f"rms_norm_eps must be > 0, got {self.rms_norm_eps}")
+        if self.model_type not in SUPPORTED_MODEL_TYPES:
+            raise ConfigError(_model_type_message(self.model_type))
 
     def _check_moe(self) -> None:
         if self.n_routed_experts <= 0 or self.moe_intermediate_size <= 0:
@@ -259,6 +268,12 @@ class ModelConfig:
 
         defaults = _HF_DEFAULTS
         get = lambda key: d[key] if d.get(key) is not None else defaults[key]
+        quantization = None
+        if d.get("quantization_config") is not None:
+            try:
+                quantization = Fp8BlockQuantization.from_hf_dict(d["quantization_config"])
+            except QuantizationError as exc:
+                raise ConfigError(str(exc)) from exc
         rope_theta, rope_scaling = _parse_rope(d, get("max_position_embeddings"))
         eos = d.get("eos_token_id", defaults["eos_token_id"])
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
@@ -292,6 +307,8 @@ class ModelConfig:
             pad_token_id=d.get("pad_token_id"),
             tie_word_embeddings=bool(get("tie_word_embeddings")),
             dtype=str(d.get("dtype") or d.get("torch_dtype") or "float32"),
+            quantization=quantization,
+            model_type=d["model_type"],
         )
         _check_derived(d, config)
         return config
@@ -301,7 +318,7 @@ class ModelConfig:
         eos: int | list[int] = self.eos_token_ids[0] if len(self.eos_token_ids) == 1 else list(self.eos_token_ids)
         d: dict[str, Any] = {
             "architectures": [SUPPORTED_ARCHITECTURE],
-            "model_type": SUPPORTED_MODEL_TYPE,
+            "model_type": self.model_type,
             "vocab_size": self.vocab_size,
             "hidden_size": self.hidden_size,
             "intermediate_size": self.intermediate_size,
@@ -338,6 +355,8 @@ class ModelConfig:
             "num_nextn_predict_layers": 0,
             "dtype": self.dtype,
         }
+        if self.quantization is not None:
+            d["quantization_config"] = self.quantization.to_hf_dict()
         return d
 
 
@@ -386,6 +405,7 @@ _CONSUMED_KEYS = set(_HF_DEFAULTS) | {
     "rope_theta",
     "rope_scaling",
     "rope_parameters",
+    "quantization_config",
     "dtype",
     "torch_dtype",
     "qk_head_dim",  # derived by HF; checked for consistency
@@ -467,7 +487,6 @@ _REQUIRED_VALUES: dict[str, tuple[Any, ...]] = {
     "scoring_func": ("sigmoid",),
     "topk_method": ("noaux_tc",),
     "moe_layer_freq": (1,),
-    "quantization_config": (None,),
 }
 
 _ROPE_KEYS = {
@@ -491,8 +510,15 @@ def _check_architecture(d: dict[str, Any]) -> None:
     if archs is not None and list(archs) != [SUPPORTED_ARCHITECTURE]:
         raise ConfigError(f"unsupported architectures={archs!r}: only {SUPPORTED_ARCHITECTURE} is supported")
     model_type = d.get("model_type")
-    if model_type != SUPPORTED_MODEL_TYPE:
-        raise ConfigError(f"unsupported model_type={model_type!r}: only {SUPPORTED_MODEL_TYPE!r} is supported")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ConfigError(_model_type_message(model_type))
+
+
+def _model_type_message(model_type: Any) -> str:
+    return (
+        f"unsupported model_type={model_type!r} (supported: {', '.join(map(repr, SUPPORTED_MODEL_TYPES))}: the "
+        f"{SUPPORTED_ARCHITECTURE} architecture of DeepSeek-V3/V3.1/R1, Kimi-K2 and Moonlight)"
+    )
 
 
 def _parse_rope(d: dict[str, Any], max_position_embeddings: int) -> tuple[float, YarnScaling | None]:

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Protocol
 
 import torch
+from tqdm.auto import tqdm
 
 from .checkpoint import (
     CheckpointError,
@@ -21,11 +22,14 @@ from .checkpoint import (
     expert_names,
     fused_expert_names,
     hf_tensor_shapes,
+    kept_in_float32,
     layer_prefix,
+    materialised_bytes,
     write_safetensors,
 )
 from .config import ModelConfig
 from .deepseek_v3 import AttentionWeights, DeepseekV3Weights, LayerWeights, MLPWeights, MoEWeights
+from .quantization import FP8_DTYPE, dequantize_blocks, scale_name, scale_shape
 from .rope import RotaryEmbedding
 
 TINY_MODEL_NAME = "tiny"
@@ -88,42 +92,77 @@ def build_weights(
     expert_ids: set[int] | None = None,
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
+    progress: bool = False,
 ) -> DeepseekV3Weights:
-    """Read every tensor the model needs from source (routed experts: only expert_ids; None = all)."""
+    """Read every tensor the model needs from source (routed experts: only expert_ids; None = all), dequantizing
+    FP8 block-quantized ones to dtype; progress=True shows a bar over the bytes materialised."""
     if expert_ids is not None:
         bad = sorted(e for e in expert_ids if not 0 <= e < config.n_routed_experts)
         if bad:
             raise ValueError(f"expert ids {bad} outside [0, {config.n_routed_experts})")
-    reader = _Reader(source, config, dtype, torch.device(device))
-    rope = RotaryEmbedding.from_config(config, device)
-    layers = [_build_layer(reader, config, i, expert_ids, rope) for i in range(config.num_hidden_layers)]
-    embed_tokens = reader.get("model.embed_tokens.weight")
-    lm_head = embed_tokens if config.tie_word_embeddings else reader.get("lm_head.weight")
+    bar = LoadProgress(materialised_bytes(config, expert_ids, dtype), config.name) if progress else None
+    reader = _Reader(source, config, dtype, torch.device(device), bar)
+    try:
+        rope = RotaryEmbedding.from_config(config, device)
+        layers = [_build_layer(reader, config, i, expert_ids, rope) for i in range(config.num_hidden_layers)]
+        embed_tokens = reader.get("model.embed_tokens.weight")
+        lm_head = embed_tokens if config.tie_word_embeddings else reader.get("lm_head.weight")
+        norm = reader.get("model.norm.weight")
+    finally:
+        if bar is not None:
+            bar.close()
     return DeepseekV3Weights(
-        config=config,
-        embed_tokens=embed_tokens,
-        layers=layers,
-        norm=reader.get("model.norm.weight"),
-        lm_head=lm_head,
-        rope=rope,
+        config=config, embed_tokens=embed_tokens, layers=layers, norm=norm, lm_head=lm_head, rope=rope
     )
 
 
-class _Reader:
-    """Shape-checked, dtype-converting reads from a source."""
+class LoadProgress:
+    """A progress bar (tqdm) over the bytes of the weights being materialised."""
 
-    def __init__(self, source: TensorSource, config: ModelConfig, dtype: torch.dtype, device: torch.device):
+    def __init__(self, total_bytes: int, name: str) -> None:
+        desc = f"loading {name}" if name else "loading weights"
+        self.bar = tqdm(total=total_bytes, desc=desc, unit="B", unit_scale=True, unit_divisor=1024)
+
+    def update(self, tensor: torch.Tensor) -> None:
+        self.bar.update(tensor.numel() * tensor.element_size())
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+class _Reader:
+    """Shape-checked, dtype-converting reads from a source; FP8 block-quantized weights (those with a `_scale_inv`
+    companion) are dequantized on the target device, one tensor at a time."""
+
+    def __init__(
+        self,
+        source: TensorSource,
+        config: ModelConfig,
+        dtype: torch.dtype,
+        device: torch.device,
+        progress: LoadProgress | None = None,
+    ):
         self.source, self.dtype, self.device = source, dtype, device
         self.shapes = hf_tensor_shapes(config, expert_ids=set())
+        self.quantization = config.quantization
+        self.progress = progress
 
     def get(self, name: str, shape: tuple[int, ...] | None = None, dtype: torch.dtype | None = None):
         expected = shape or self.shapes[name]
         self.check_shape(name, expected)
-        return self.source.read(name).to(device=self.device, dtype=dtype or self.dtype)
+        if self.scale_of(name, expected) is None:
+            return self._done(self.source.read(name).to(device=self.device, dtype=dtype or self.dtype))
+        weight = self.source.read(name).to(self.device)
+        scale_inv = self.source.read(scale_name(name)).to(self.device)
+        return self._done(self.dequantize(name, weight, scale_inv, dtype))
 
     def get_index(self, name: str, index: int, expected: tuple[int, ...]) -> torch.Tensor:
         self.check_shape(name, expected)
-        return self.source.read_index(name, index).to(device=self.device, dtype=self.dtype)
+        if self.scale_of(name, expected) is None:
+            return self._done(self.source.read_index(name, index).to(device=self.device, dtype=self.dtype))
+        weight = self.source.read_index(name, index).to(self.device)
+        scale_inv = self.source.read_index(scale_name(name), index).to(self.device)
+        return self._done(self.dequantize(name, weight, scale_inv, None))
 
     def check_shape(self, name: str, expected: tuple[int, ...]) -> None:
         actual = self.source.shape(name)
@@ -131,6 +170,42 @@ class _Reader:
             raise CheckpointError(f"missing tensor {name!r} (expected shape {list(expected)})")
         if tuple(actual) != tuple(expected):
             raise CheckpointError(f"tensor {name!r} has shape {list(actual)}, expected {list(expected)}")
+
+    def scale_of(self, name: str, expected: tuple[int, ...]) -> tuple[int, ...] | None:
+        """The checked shape of name's scale companion, None when name is not quantized."""
+        actual = self.source.shape(scale_name(name))
+        if actual is None:
+            return None
+        if self.quantization is None:
+            raise CheckpointError(
+                f"tensor {name!r} has a {scale_name(name)!r} companion but config.json has no quantization_config:"
+                " add the checkpoint's quantization_config (quant_method 'fp8', weight_block_size [b0, b1])"
+            )
+        if len(expected) < 2:
+            raise CheckpointError(f"tensor {name!r} of shape {list(expected)} has a scale; only 2-D weights can")
+        wanted = scale_shape(expected, self.quantization.weight_block_size)
+        if tuple(actual) != wanted:
+            b0, b1 = self.quantization.weight_block_size
+            raise CheckpointError(
+                f"tensor {scale_name(name)!r} has shape {list(actual)}, expected {list(wanted)} (one scale per"
+                f" {b0} x {b1} block of {list(expected)})"
+            )
+        return wanted
+
+    def dequantize(
+        self, name: str, weight: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype | None
+    ) -> torch.Tensor:
+        if weight.dtype != FP8_DTYPE:
+            raise CheckpointError(
+                f"tensor {name!r} has a scale companion but is {weight.dtype}, expected {FP8_DTYPE} (float8_e4m3fn)"
+            )
+        assert self.quantization is not None  # scale_of checked it
+        return dequantize_blocks(weight, scale_inv, self.quantization.weight_block_size, dtype or self.dtype)
+
+    def _done(self, tensor: torch.Tensor) -> torch.Tensor:
+        if self.progress is not None:
+            self.progress.update(tensor)
+        return tensor
 
 
 def _build_layer(
@@ -213,11 +288,13 @@ def load_weights(
     expert_ids: set[int] | None = None,
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
+    progress: bool = False,
 ) -> DeepseekV3Weights:
-    """Load an HF DeepseekV3ForCausalLM checkpoint directory (config.json + safetensors, single or sharded)."""
+    """Load an HF DeepseekV3ForCausalLM checkpoint directory (config.json + safetensors, single or sharded; FP8
+    block-quantized weights are dequantized to dtype tensor by tensor)."""
     config = config or ModelConfig.from_pretrained_dir(path)
     checkpoint = SafetensorsCheckpoint.open(path)
-    return build_weights(config, checkpoint, expert_ids, dtype, device)
+    return build_weights(config, checkpoint, expert_ids, dtype, device, progress)
 
 
 def random_weights(
@@ -235,11 +312,13 @@ def load_model(
     expert_ids: set[int] | None = None,
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
+    progress: bool = False,
 ) -> DeepseekV3Weights:
-    """ "tiny" -> the embedded random model (seed TINY_SEED); anything else is a checkpoint directory."""
+    """ "tiny" -> the embedded random model (seed TINY_SEED); anything else is a checkpoint directory, read with a
+    progress bar when progress=True."""
     if model == TINY_MODEL_NAME:
         return random_weights(ModelConfig.tiny(), TINY_SEED, expert_ids, dtype, device)
-    return load_weights(model, None, expert_ids, dtype, device)
+    return load_weights(model, None, expert_ids, dtype, device, progress)
 
 
 def load_config(model: str) -> ModelConfig:
@@ -273,7 +352,7 @@ def save_tiny_checkpoint(
 
 
 def _storage_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
-    return torch.float32 if name.endswith("e_score_correction_bias") else dtype  # HF keeps the bias in fp32
+    return torch.float32 if kept_in_float32(name) else dtype
 
 
 def _fuse_experts(config: ModelConfig, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -83,13 +83,13 @@ def test_deepseek_v3_config_parses_to_its_shapes():
     ("key", "value", "message"),
     [
         ("architectures", ["LlamaForCausalLM"], "architectures"),
-        ("model_type", "deepseek_v2", "model_type"),
+        ("model_type", "deepseek_v2", r"model_type='deepseek_v2' \(supported: 'deepseek_v3', 'kimi_k2'"),
         ("scoring_func", "softmax", "scoring_func"),
         ("topk_method", "greedy", "topk_method"),
         ("hidden_act", "gelu", "hidden_act"),
         ("attention_bias", True, "attention_bias"),
         ("moe_layer_freq", 2, "moe_layer_freq"),
-        ("quantization_config", {"quant_method": "fp8"}, "quantization_config"),
+        ("quantization_config", {"quant_method": "bitsandbytes"}, "quant_method='bitsandbytes'"),
         ("sliding_window", 4096, "sliding_window"),
         ("rope_scaling", {"type": "linear", "factor": 2.0}, "'linear'"),
         ("rope_scaling", {"type": "dynamic", "factor": 2.0}, "'dynamic'"),
@@ -149,6 +149,91 @@ def test_corrupt_or_absent_config_file_names_the_file(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({**DEEPSEEK_V3_CONFIG, "scoring_func": "softmax"}))
     with pytest.raises(ConfigError, match=r"config\.json: unsupported scoring_func"):
         ModelConfig.from_pretrained_dir(tmp_path)
+
+
+# The published config.json files of other DeepSeek-V3-architecture checkpoints (their keys that differ from V3's).
+FP8_BLOCK = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "weight_block_size": [128, 128]}
+KIMI_K2_CONFIG = {
+    **DEEPSEEK_V3_CONFIG,
+    "auto_map": {
+        "AutoConfig": "configuration_deepseek.DeepseekV3Config",
+        "AutoModel": "modeling_deepseek.DeepseekV3Model",
+        "AutoModelForCausalLM": "modeling_deepseek.DeepseekV3ForCausalLM",
+    },
+    "model_type": "kimi_k2",
+    "bos_token_id": 163584,
+    "eos_token_id": 163585,
+    "first_k_dense_replace": 1,
+    "max_position_embeddings": 131072,
+    "n_group": 1,
+    "n_routed_experts": 384,
+    "num_attention_heads": 64,
+    "num_key_value_heads": 64,
+    "num_nextn_predict_layers": 0,
+    "pretraining_tp": 1,
+    "quantization_config": FP8_BLOCK,
+    "rope_scaling": {
+        "beta_fast": 1.0,
+        "beta_slow": 1.0,
+        "factor": 32.0,
+        "mscale": 1.0,
+        "mscale_all_dim": 1.0,
+        "original_max_position_embeddings": 4096,
+        "type": "yarn",
+    },
+    "rope_theta": 50000.0,
+    "routed_scaling_factor": 2.827,
+    "topk_group": 1,
+    "transformers_version": "4.48.3",
+    "vocab_size": 163840,
+}
+MOONLIGHT_CONFIG = {
+    **{k: v for k, v in DEEPSEEK_V3_CONFIG.items() if k != "num_nextn_predict_layers"},
+    "bos_token_id": 163584,
+    "eos_token_id": 163585,
+    "first_k_dense_replace": 1,
+    "hidden_size": 2048,
+    "intermediate_size": 11264,
+    "max_position_embeddings": 8192,
+    "moe_intermediate_size": 1408,
+    "n_group": 1,
+    "n_routed_experts": 64,
+    "n_shared_experts": 2,
+    "num_attention_heads": 16,
+    "num_experts_per_tok": 6,
+    "num_hidden_layers": 27,
+    "num_key_value_heads": 16,
+    "pad_token_id": None,
+    "pretraining_tp": 1,
+    "q_lora_rank": None,
+    "rms_norm_eps": 1e-05,
+    "rope_scaling": None,
+    "rope_theta": 50000.0,
+    "routed_scaling_factor": 2.446,
+    "topk_group": 1,
+    "vocab_size": 163840,
+}
+
+
+def test_kimi_k2_moonlight_and_fp8_deepseek_configs_parse():
+    kimi = ModelConfig.from_hf_dict(KIMI_K2_CONFIG)
+    assert kimi.model_type == "kimi_k2" and kimi.quantization.weight_block_size == (128, 128)
+    assert (kimi.n_routed_experts, kimi.n_group, kimi.topk_group, kimi.num_attention_heads) == (384, 1, 1, 64)
+    assert kimi.rope_scaling == YarnScaling(32.0, 4096, 1.0, 1.0, 1.0, 1.0) and kimi.rope_theta == 50000.0
+    assert kimi.routed_scaling_factor == 2.827 and kimi.eos_token_ids == (163585,)
+    assert ModelConfig.from_hf_dict(kimi.to_hf_dict()) == kimi
+    moonlight = ModelConfig.from_hf_dict(MOONLIGHT_CONFIG)
+    assert moonlight.q_lora_rank is None and moonlight.rope_scaling is None and moonlight.n_shared_experts == 2
+    v3_fp8 = ModelConfig.from_hf_dict({**DEEPSEEK_V3_CONFIG, "quantization_config": FP8_BLOCK})  # V3, R1
+    assert v3_fp8.quantization.weight_block_size == (128, 128) and v3_fp8.model_type == "deepseek_v3"
+    v31 = ModelConfig.from_hf_dict({**DEEPSEEK_V3_CONFIG, "quantization_config": {**FP8_BLOCK, "scale_fmt": "ue8m0"}})
+    assert v31.quantization.scale_fmt == "ue8m0"
+
+
+def test_kimi_k2_thinking_int4_is_refused_naming_what_is_supported():
+    int4 = {"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {}}
+    with pytest.raises(ConfigError, match=r"quant_method='compressed-tensors' \(supported: quant_method 'fp8'"):
+        ModelConfig.from_hf_dict({**KIMI_K2_CONFIG, "quantization_config": int4})
 
 
 YARN_CASES = [
