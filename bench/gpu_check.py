@@ -36,6 +36,7 @@ GPU_TESTS = (
     "tests/test_gpu_graphs.py",
     "tests/test_gpu_decode.py",
     "tests/test_kernels_routing.py",
+    "tests/test_kernels_triton_mla.py",
     "tests/test_gpu_flashmla.py",
     "tests/test_gpu_deepgemm.py",
     "tests/test_gpu_deepep.py",

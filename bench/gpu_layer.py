@@ -417,10 +417,16 @@ def attention_case(
 
 
 def attention_implementations(dims: LayerDims, device: torch.device | str, dtype: torch.dtype) -> dict[str, Any]:
-    """Shard attention implementations that can run here: the torch reference, and FlashMLA where it imports."""
+    """Shard attention implementations that can run here: the torch reference, the Triton split-KV kernel on a CUDA
+    device, and FlashMLA where it imports."""
     impls: dict[str, Any] = {"reference": mla_paged_attention_with_lse}
     from nanocp.data_plane.backends.flashmla import FlashMLAAttention, flashmla_unavailable_reason
+    from nanocp.data_plane.kernels import triton_unavailable_reason
 
+    if triton_unavailable_reason(torch.device(device)) is None:
+        from nanocp.data_plane.backends.triton_mla import TritonMLAAttention
+
+        impls["triton-mla"] = TritonMLAAttention()
     dims_ok = dims.kv_lora + dims.qk_rope == 576 and dims.kv_lora == 512
     if dims_ok and flashmla_unavailable_reason(device, dims.page_size, dtype) is None:
         impls["flashmla"] = FlashMLAAttention()
@@ -607,7 +613,10 @@ class _DenseBench(_Bench):
 
 class _AttentionBench(_Bench):
     name = "attention"
-    code = "models.mla_paged_attention_with_lse (torch reference; FlashMLA where flash_mla imports)"
+    code = (
+        "models.mla_paged_attention_with_lse (torch reference), the Triton split-KV kernel on CUDA "
+        "(data_plane/backends/triton_mla.py), FlashMLA where flash_mla imports"
+    )
 
     def points(self) -> list[dict[str, Any]]:
         g = self.grid
@@ -638,13 +647,13 @@ class _AttentionBench(_Bench):
     def functions(self, point: dict[str, Any]) -> dict[str, Callable[[], Any]]:
         case = attention_case(self.dims, self.pool, point["requests"], point["shards_per_request"], point["row_tokens"])
         impls = self.impls
-        if "flashmla" in impls and not point["core"]:  # the slow reference only at the first pass's points
-            impls = {"flashmla": impls["flashmla"]}
+        if len(impls) > 1 and not point["core"]:  # the slow reference only at the first pass's points
+            impls = {k: v for k, v in impls.items() if k != "reference"}
         return {name: (lambda fn=fn: case.run(fn)) for name, fn in impls.items()}
 
     def choose(self, points: list[dict[str, Any]]) -> str | None:
         measured = {i for p in points for i, r in p.get("by_impl", {}).items() if "seconds" in r}
-        return "flashmla" if "flashmla" in measured else ("reference" if measured else None)
+        return next((i for i in ("flashmla", "triton-mla", "reference") if i in measured), None)
 
 
 class _MergeBench(_Bench):

@@ -1,10 +1,10 @@
 """Compute backends of a decode instance: shard attention, expert FFNs, routing kernels, MoE dispatcher.
 
 `Backends.reference()` is plain torch on any device (what CPU runs and every test compares against).
-`Backends.detect(device, ...)` keeps the reference except where a capability check passes: FlashMLA for shard
-attention and the Triton routing kernels on a CUDA device, torch's fused flash-attention kernel for shard attention
-on CPU (cpu_attention.py). DeepEP (dispatcher) and DeepGEMM (experts, which need
-DeepEP's packed receive layout) need a process group and are opted into explicitly (docs/gpu.md).
+`Backends.detect(device, ...)` keeps the reference except where a capability check passes: on a CUDA device FlashMLA
+for shard attention (else the Triton split-KV MLA kernel, triton_mla.py) and the Triton routing kernels; torch's fused
+flash-attention kernel for shard attention on CPU (cpu_attention.py). DeepEP (dispatcher) and DeepGEMM (experts,
+which need DeepEP's packed receive layout) need a process group and are opted into explicitly (docs/gpu.md).
 """
 
 from __future__ import annotations
@@ -14,7 +14,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from nanocp.data_plane.kernels import RoutingKernels, TorchRoutingKernels, select_routing_kernels
+from nanocp.data_plane.kernels import (
+    RoutingKernels,
+    TorchRoutingKernels,
+    select_routing_kernels,
+    triton_unavailable_reason,
+)
 from nanocp.models import LayerWeights, expert_ffn, mla_paged_attention_with_lse
 
 # (q [S, H, Dqk], kv_pages [P, page, Dqk], block_table int [S, B], lens int [S], scale, v_dim) -> (o, lse fp32)
@@ -59,6 +64,10 @@ class Backends:
         attention: AttentionFn = mla_paged_attention_with_lse
         if flashmla_unavailable_reason(device, page_size, dtype) is None:
             attention = FlashMLAAttention()
+        elif device.type == "cuda" and triton_unavailable_reason(device) is None:
+            from .triton_mla import TritonMLAAttention
+
+            attention = TritonMLAAttention()
         elif device.type == "cpu" and fused_attention_unavailable_reason() is None:
             attention = CpuPagedAttention()
         return cls(attention=attention, kernels=select_routing_kernels(device))
