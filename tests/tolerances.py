@@ -26,6 +26,12 @@ terms (each < 2^-10 here) are covered by the 2^-10 relative margin of `assert_wi
 the same value (a kernel and its torch reference, two summation orders) differ by at most the sum of their bounds.
 These are worst cases: the errors seen are typically 10-1000x smaller (rounding errors mostly cancel, growing like
 sqrt(n) u); a wrong index, a missing term or a wrong scale is still far outside them.
+
+They bound single steps (a kernel, a layer's projection, an MLP, an attention, a merge). Whole-model comparisons
+(several layers, MoE routing, the data plane against the single-instance reference) check the project's accuracy
+requirement instead, fp32 logits within 1e-5 of the reference's largest: chained through layers, a componentwise
+bound grows by sum |w| at every GEMM (sqrt(k) times faster than errors do) and after one layer it exceeds the gaps
+between MoE gate choices, where the routing (discontinuous) may differ.
 """
 
 from __future__ import annotations
