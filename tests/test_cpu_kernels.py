@@ -414,6 +414,7 @@ def check_attention(q, kv_pages, block_table, lens, scale, v_dim) -> None:
     seed=st.integers(0, 2**31 - 1),
 )
 @example(shards=6, heads=4, dqk=96, page=1, blocks=1, seed=691)  # issue 19: lse 1.2e-6 off, over a fixed 1e-6
+@example(shards=0, heads=1, dqk=8, page=1, blocks=1, seed=0)  # no shards at all
 def test_mla_paged_attention_equals_the_reference(shards, heads, dqk, page, blocks, seed):
     """Random pages, random block tables (pages shared between shards too), lengths 0..B * page."""
     gen = torch.Generator().manual_seed(seed)

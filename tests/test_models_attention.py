@@ -7,7 +7,7 @@ import math
 import pytest
 import tolerances as tol
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from nanocp.models import (
@@ -220,6 +220,7 @@ def test_paged_attention_equals_contiguous(lens, page_size, seed):
 
 @settings(max_examples=25, deadline=None)
 @given(cuts=st.lists(st.integers(0, 30), min_size=0, max_size=4), seed=st.integers(0, 2**16))
+@example(cuts=[0], seed=0)  # an empty chunk of keys
 def test_prefill_attention_chunks_of_keys_merge_to_causal_attention(cuts, seed):
     """Ring attention: keys split into chunks, each chunk's causal partial merged by LSE."""
     gen = torch.Generator().manual_seed(seed)
