@@ -41,7 +41,7 @@ def expected(q, kv_pages, block_table, lens, scale, v_dim, attention: TritonMLAA
     (relative BF16_ULP on every term of acc) and of o to bf16 (BF16_U)."""
     (shards, blocks), page = block_table.shape, kv_pages.shape[1]
     heads = q.shape[1]
-    splits, split_len = attention.plan(shards, heads, blocks * page, q.dtype, torch.device(DEVICE))
+    splits, split_len = attention.split_plan(shards, heads, blocks * page, q.dtype, torch.device(DEVICE))
     kv = kv_pages.float().cpu()[block_table.long().cpu().clamp(min=0)].reshape(shards, blocks * page, q.shape[-1])
     qf, lens = q.float().cpu(), lens.cpu()
     parts = []
@@ -113,9 +113,9 @@ def test_the_plan_splits_to_fill_the_machine_and_covers_every_token():
     att = TritonMLAAttention(programs=264)
     dev = torch.device("cpu")
     # 264 programs / 8 head blocks = 33 splits; 4096 tiles of 32 tokens over 33 splits: 125 tiles each
-    assert att.plan(1, 128, 131072, torch.bfloat16, dev) == (33, 125 * 32)
+    assert att.split_plan(1, 128, 131072, torch.bfloat16, dev) == (33, 125 * 32)
     for shards, heads, max_len in [(1, 1, 1), (256, 128, 4096), (3, 16, 1000), (0, 4, 64)]:
-        splits, split_len = att.plan(shards, heads, max_len, torch.float32, dev)
+        splits, split_len = att.split_plan(shards, heads, max_len, torch.float32, dev)
         assert splits >= 1 and split_len % att.block_n(torch.float32) == 0
         assert (splits - 1) * split_len < max(max_len, 1) <= splits * split_len
 
@@ -144,3 +144,27 @@ def test_it_agrees_with_the_reference_and_is_picked_on_cuda_without_flashmla():
     assert "not CUDA" in triton_mla_unavailable_reason("cpu")
     if torch.cuda.is_available():
         assert Backends.detect("cuda", 16, torch.float32).describe()["attention"] == "triton-mla"
+
+
+def test_decode_instances_running_it_give_the_reference_tokens(monkeypatch):
+    """The instances' eager path with the kernel as their shard attention (what Backends.detect picks on a GPU
+    without FlashMLA): the same greedy tokens as the CPU backends, CP shards included."""
+    from nanocp import LLM, SamplingParams
+    from nanocp.control_plane import CPBucketTable
+
+    prompts = [[3, 1, 4, 1, 5, 9, 2, 6] * 4, [2, 7, 1, 8]]
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    kwargs = dict(decode_instances=2, cp_buckets=CPBucketTable((24, 10**9), (1, 2)), page_size=8)
+    with LLM("tiny", **kwargs) as llm:
+        want = [o.token_ids for o in llm.generate(prompts, params)]
+    detect = Backends.detect.__func__
+
+    def with_triton_mla(cls, device, page_size, dtype):
+        backends = detect(cls, device, page_size, dtype)
+        backends.attention = TritonMLAAttention(programs=4)
+        return backends
+
+    monkeypatch.setattr(Backends, "detect", classmethod(with_triton_mla))
+    with LLM("tiny", device=DEVICE, **kwargs) as llm:
+        assert llm.engine.cluster.instances[0].backends.describe()["attention"] == "triton-mla"
+        assert [o.token_ids for o in llm.generate(prompts, params)] == want

@@ -126,7 +126,9 @@ class TritonMLAAttention:
     def block_n(dtype: torch.dtype) -> int:
         return 16 if dtype == torch.float32 else 32  # fp32 tiles are twice the bytes
 
-    def plan(self, shards: int, heads: int, max_len: int, dtype: torch.dtype, device: torch.device) -> tuple[int, int]:
+    def split_plan(
+        self, shards: int, heads: int, max_len: int, dtype: torch.dtype, device: torch.device
+    ) -> tuple[int, int]:
         """(splits, tokens per split) for `shards` rows of `heads` heads over at most `max_len` KV tokens each: enough
         splits to give every multiprocessor work, each a multiple of BLOCK_N tokens."""
         block_n = self.block_n(dtype)
@@ -153,7 +155,7 @@ class TritonMLAAttention:
             raise ValueError(f"q is {q_latent.dtype} but the KV cache is {kv_pages.dtype}")
         page_size, max_blocks = kv_pages.shape[1], block_table.shape[1]
         device = q_latent.device
-        splits, split_len = self.plan(shards, heads, max_blocks * page_size, q_latent.dtype, device)
+        splits, split_len = self.split_plan(shards, heads, max_blocks * page_size, q_latent.dtype, device)
         acc = torch.zeros(shards, heads, splits, v_dim, dtype=torch.float32, device=device)
         m = torch.full((shards, heads, splits), float("-inf"), dtype=torch.float32, device=device)
         total = torch.zeros(shards, heads, splits, dtype=torch.float32, device=device)
