@@ -48,7 +48,17 @@ from .loader import (
 )
 from .quantization import Fp8BlockQuantization, QuantizationError, dequantize_blocks
 from .rope import RotaryEmbedding, apply_rotary, softmax_scale
-from .tokenizer import ByteTokenizer, HFTokenizer, StreamDecoder, Tokenizer, TokenizerError, load_tokenizer
+from .tiktoken_tokenizer import TiktokenTokenizer
+from .tokenizer import (
+    ByteTokenizer,
+    HFTokenizer,
+    StreamDecoder,
+    Tokenizer,
+    TokenizerError,
+    encode_chat,
+    encode_prompt,
+    load_tokenizer,
+)
 
 __all__ = [
     "AttentionWeights",
@@ -71,6 +81,7 @@ __all__ = [
     "StreamDecoder",
     "TINY_MODEL_NAME",
     "TINY_SEED",
+    "TiktokenTokenizer",
     "Tokenizer",
     "TokenizerError",
     "YarnScaling",
@@ -80,6 +91,8 @@ __all__ = [
     "dequantize_blocks",
     "dense_mlp",
     "embed",
+    "encode_chat",
+    "encode_prompt",
     "expert_ffn",
     "ffn_forward",
     "greedy_generate",

@@ -1,14 +1,15 @@
-"""Tokenizers: a byte-level one for the embedded tiny model and a wrapper over HF `tokenizer.json` files.
+"""Tokenizers: a byte-level one for the embedded tiny model, a wrapper over HF `tokenizer.json` files, and (in
+tiktoken_tokenizer.py) Kimi-K2's tiktoken one; `load_tokenizer` picks by the files present.
 
-Both expose the same surface: encode / decode, special token ids and strings, and the chat template as Jinja text.
-Rendering the template is the serving layer's job (in a sandboxed Jinja environment); render it with
-`bos_token` / `eos_token` set to the tokenizer's strings and encode the result with add_special_tokens=False:
-special-token strings inside the text become their ids, as with HF tokenizers.
+All expose the same surface: encode / decode, special token ids and strings, and the chat template as Jinja text.
+One rule turns a prompt into ids everywhere (`encode_prompt`: text gets BOS as the checkpoint's
+tokenizer_config.json says; `encode_chat`: a rendered chat template's text, which writes its own BOS). Rendering
+the template is models/chat_template.py's job. An id past the tokenizer's vocabulary (a padded embedding's row)
+decodes as empty text.
 """
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -16,10 +17,8 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from .config import ModelConfig
-
-
-class TokenizerError(ValueError):
-    """Missing or corrupt tokenizer files, or ids outside the vocabulary."""
+from .tiktoken_tokenizer import TIKTOKEN_FILE, TiktokenTokenizer
+from .tokenizer_files import TokenizerError, TokenizerSettings, known_ids, with_bos_eos
 
 
 class Tokenizer(Protocol):
@@ -80,15 +79,13 @@ class ByteTokenizer:
         return ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
-        """Bytes -> text (invalid UTF-8 becomes U+FFFD); specials dropped, or written as their strings."""
+        """Bytes -> text (invalid UTF-8 becomes U+FFFD); specials dropped, or written as their strings; ids past
+        the vocabulary have no token (empty text)."""
         out, run = [], bytearray()
-        for token in ids:
-            token = int(token)
-            if 0 <= token < 256:
+        for token in known_ids(ids, self.vocab_size):
+            if token < 256:
                 run.append(token)
                 continue
-            if not 256 <= token < self.vocab_size:
-                raise TokenizerError(f"token id {token} outside the byte vocabulary [0, {self.vocab_size})")
             if not skip_special_tokens:
                 out.append(run.decode("utf-8", errors="replace"))
                 out.append(BYTE_SPECIAL_TOKENS[token - 256])
@@ -102,13 +99,17 @@ class ByteTokenizer:
 
 @dataclass
 class HFTokenizer:
-    """`tokenizers.Tokenizer` from tokenizer.json, with special tokens and chat template from the checkpoint."""
+    """`tokenizers.Tokenizer` from tokenizer.json, with special tokens and chat template from the checkpoint.
+
+    add_special_tokens follows tokenizer_config.json's add_bos_token / add_eos_token when it has them, else
+    tokenizer.json's post-processor (what transformers does)."""
 
     tokenizer: Any  # tokenizers.Tokenizer
     eos_token_ids: tuple[int, ...]
     bos_token_id: int | None = None
     pad_token_id: int | None = None
     chat_template: str | None = None
+    adds_special_tokens: tuple[bool, bool] | None = None  # (BOS, EOS); None: the post-processor decides
     vocab_size: int = field(init=False)
 
     def __post_init__(self) -> None:
@@ -123,14 +124,14 @@ class HFTokenizer:
         return self.tokenizer.id_to_token(self.eos_token_ids[0]) if self.eos_token_ids else None
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+        if not add_special_tokens or self.adds_special_tokens is None:
+            return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+        ids = self.tokenizer.encode(text, add_special_tokens=False).ids
+        return with_bos_eos(ids, self.bos_token_id, self.eos_token_ids, *self.adds_special_tokens)
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
-        ids = [int(t) for t in ids]
-        bad = [t for t in ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise TokenizerError(f"token id {bad[0]} outside the vocabulary [0, {self.vocab_size})")
-        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+        """Ids without a token (a padded vocabulary's rows past the tokenizer's) decode as empty text."""
+        return self.tokenizer.decode(known_ids(ids, self.vocab_size), skip_special_tokens=skip_special_tokens)
 
     @classmethod
     def from_dir(cls, path: str | Path) -> HFTokenizer:
@@ -145,62 +146,48 @@ class HFTokenizer:
             tokenizer = RustTokenizer.from_file(str(tokenizer_file))
         except Exception as exc:  # the tokenizers library raises plain Exception on bad files
             raise TokenizerError(f"{tokenizer_file}: cannot load tokenizer ({exc})") from exc
-
-        tok_config = _read_json(directory / "tokenizer_config.json")
-        model_config = _read_json(directory / "config.json")
-        gen_config = _read_json(directory / "generation_config.json")
-
-        def token_id(value: Any) -> int | None:
-            text = value.get("content") if isinstance(value, dict) else value
-            return None if text is None else tokenizer.token_to_id(text)
-
-        eos_ids: list[int] = []
-        for source in (model_config.get("eos_token_id"), gen_config.get("eos_token_id")):
-            eos_ids.extend(source if isinstance(source, list) else [] if source is None else [source])
-        if (eos_from_tokens := token_id(tok_config.get("eos_token"))) is not None:
-            eos_ids.append(eos_from_tokens)
-        if not eos_ids:
-            raise TokenizerError(f"{directory}: no eos token in config.json, generation_config.json or tokenizer files")
-        bos = model_config.get("bos_token_id")
+        settings = TokenizerSettings.read(directory)
+        special = settings.special_tokens(tokenizer.token_to_id)
         return cls(
             tokenizer=tokenizer,
-            eos_token_ids=tuple(dict.fromkeys(int(t) for t in eos_ids)),
-            bos_token_id=token_id(tok_config.get("bos_token")) if bos is None else int(bos),
-            pad_token_id=token_id(tok_config.get("pad_token")),
-            chat_template=_chat_template(directory, tok_config),
+            eos_token_ids=special.eos_token_ids,
+            bos_token_id=special.bos_token_id,
+            pad_token_id=special.pad_token_id,
+            chat_template=settings.chat_template,
+            adds_special_tokens=settings.adds_special_tokens,
         )
-
-
-def _read_json(path: Path) -> dict[str, Any]:
-    if not path.is_file():
-        return {}
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise TokenizerError(f"{path}: not valid JSON ({exc})") from exc
-    if not isinstance(data, dict):
-        raise TokenizerError(f"{path}: expected a JSON object")
-    return data
-
-
-def _chat_template(directory: Path, tok_config: dict[str, Any]) -> str | None:
-    template = tok_config.get("chat_template")
-    if isinstance(template, list):  # [{"name": ..., "template": ...}]: take the default one
-        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
-        template = named.get("default")
-    if template is None and (directory / "chat_template.jinja").is_file():
-        template = (directory / "chat_template.jinja").read_text(encoding="utf-8")
-    return template
 
 
 # ---- selection and streaming -------------------------------------------------------------------------------
 
 
-def load_tokenizer(model: str) -> ByteTokenizer | HFTokenizer:
-    """ "tiny" -> ByteTokenizer; otherwise the HF tokenizer of the checkpoint directory `model`."""
+def load_tokenizer(model: str) -> Tokenizer:
+    """ "tiny" -> ByteTokenizer; a checkpoint directory -> its tokenizer.json (HFTokenizer) or, without one, its
+    tiktoken.model (Kimi-K2, Moonlight: TiktokenTokenizer)."""
     if model == "tiny":
         return ByteTokenizer(ModelConfig.tiny())
-    return HFTokenizer.from_dir(model)
+    directory = Path(model)
+    if not (directory / "tokenizer.json").is_file() and (directory / TIKTOKEN_FILE).is_file():
+        return TiktokenTokenizer.from_dir(directory)
+    if not (directory / "tokenizer.json").is_file():
+        raise TokenizerError(
+            f"{directory}: no tokenizer.json and no {TIKTOKEN_FILE} in the model directory (nanocp reads either)"
+        )
+    return HFTokenizer.from_dir(directory)
+
+
+def encode_prompt(tokenizer: Tokenizer, prompt: str | Sequence[int]) -> list[int]:
+    """The one tokenization rule for a prompt (`LLM.generate`, `nanocp generate`, /v1/completions): text gets the
+    checkpoint's special tokens (BOS as its tokenizer_config.json says); token ids are taken as they are."""
+    if isinstance(prompt, str):
+        return tokenizer.encode(prompt, add_special_tokens=True)
+    return [int(t) for t in prompt]
+
+
+def encode_chat(tokenizer: Tokenizer, rendered: str) -> list[int]:
+    """A rendered chat template's text -> ids: the template writes its own BOS, so none is added (as HF's
+    apply_chat_template); special-token strings in it become their ids."""
+    return tokenizer.encode(rendered, add_special_tokens=False)
 
 
 class StreamDecoder:

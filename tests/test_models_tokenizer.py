@@ -1,27 +1,30 @@
-"""Tokenizers: byte-level for tiny, HF tokenizer.json (built here with the `tokenizers` library), streaming."""
+"""Tokenizers: byte-level for tiny, HF tokenizer.json (built with the `tokenizers` library), Kimi-K2's tiktoken
+(tiktoken.model + tokenizer_config.json), the one prompt rule (BOS as tokenizer_config.json says), padded
+vocabularies, streaming."""
 
 from __future__ import annotations
-
-import json
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizer_dirs import write_hf_tokenizer, write_kimi_tokenizer
 
 from nanocp.models import (
     ByteTokenizer,
     HFTokenizer,
     ModelConfig,
     StreamDecoder,
+    TiktokenTokenizer,
     TokenizerError,
+    encode_chat,
+    encode_prompt,
     load_tokenizer,
 )
+from nanocp.models.tiktoken_tokenizer import KIMI_PATTERN, split_long_runs
 
 BYTES = ByteTokenizer(ModelConfig.tiny())
-SPECIALS = ["<|bos|>", "<|eos|>", "<|pad|>"]
 TEMPLATE = "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{{ eos_token }}{% endfor %}"
-CORPUS = ["hello world", "the quick brown fox jumps over the lazy dog", "naïve café 東京 🚀", "def f(x): return x"] * 20
 
 
 def _render(tokenizer, messages) -> str:
@@ -31,27 +34,7 @@ def _render(tokenizer, messages) -> str:
     )
 
 
-def _write_hf_tokenizer(directory, *, tokenizer_config=None, config=None, generation_config=None):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=400, special_tokens=SPECIALS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
-    )
-    tok.train_from_iterator(CORPUS, trainer)
-    tok.post_processor = processors.TemplateProcessing(single="<|bos|> $A", special_tokens=[("<|bos|>", 0)])
-    directory.mkdir(parents=True, exist_ok=True)
-    tok.save(str(directory / "tokenizer.json"))
-    for name, content in (
-        ("tokenizer_config.json", tokenizer_config),
-        ("config.json", config),
-        ("generation_config.json", generation_config),
-    ):
-        if content is not None:
-            (directory / name).write_text(json.dumps(content))
-    return directory
+_write_hf_tokenizer = write_hf_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -84,8 +67,9 @@ def test_byte_specials_and_invalid_utf8():
     assert BYTES.decode([256, 104, 105, 257, 258]) == "hi"
     assert BYTES.decode([0xE2, 0x82]) == "\ufffd"  # a cut-off 3-byte sequence
     assert BYTES.decode([0xFF, 65]) == "\ufffdA"
-    with pytest.raises(TokenizerError, match="260"):
-        BYTES.decode([260])
+    assert BYTES.decode([104, 260, 105, 10**6]) == "hi"  # ids past the vocabulary have no token
+    with pytest.raises(TokenizerError, match="negative"):
+        BYTES.decode([-1])
 
 
 def test_byte_tokenizer_matches_tiny_model_and_rejects_other_vocabularies():
@@ -122,8 +106,10 @@ def test_hf_special_tokens_and_template(hf_dir):
     text = _render(tok, [{"role": "user", "content": "hello world"}])
     ids = tok.encode(text)
     assert ids[-1] == 1 and tok.decode(ids) == "<|user|>hello world"
-    with pytest.raises(TokenizerError, match="outside the vocabulary"):
-        tok.decode([tok.vocab_size])
+    hello = tok.encode("hello")
+    assert tok.decode([*hello, tok.vocab_size, tok.vocab_size + 7, *hello]) == "hellohello"  # padded ids: no text
+    with pytest.raises(TokenizerError, match="negative"):
+        tok.decode([-3])
 
 
 def test_hf_template_from_jinja_file_or_named_list(tmp_path):
@@ -150,6 +136,150 @@ def test_hf_tokenizer_file_errors_name_the_file(tmp_path):
     (tmp_path / "bad_cfg" / "config.json").write_text("{")
     with pytest.raises(TokenizerError, match=r"config\.json: not valid JSON"):
         HFTokenizer.from_dir(tmp_path / "bad_cfg")
+
+
+# ---- the prompt rule: BOS as tokenizer_config.json says -----------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("tokenizer_config", "bos", "eos"),
+    [
+        ({}, True, False),  # no add_bos_token / add_eos_token: tokenizer.json's post-processor (prepends <|bos|>)
+        ({"add_bos_token": True, "add_eos_token": False}, True, False),  # DeepSeek-V3 / R1
+        ({"add_bos_token": False}, False, False),
+        ({"add_eos_token": True}, False, True),  # one given: the other is off, as transformers rebuilds it
+    ],
+)
+def test_prompt_special_tokens_follow_tokenizer_config(tmp_path, tokenizer_config, bos, eos):
+    config = {"eos_token": "<|eos|>", "bos_token": "<|bos|>", **tokenizer_config}
+    tok = load_tokenizer(str(write_hf_tokenizer(tmp_path, tokenizer_config=config)))
+    plain = tok.encode("hello world")
+    assert encode_prompt(tok, "hello world") == [0] * bos + plain + [1] * eos
+    assert encode_prompt(tok, [5, 6]) == [5, 6]  # ids are taken as they are
+    assert encode_chat(tok, "<|bos|>hello") == [0, *tok.encode("hello")]  # a template writes its own BOS
+    assert encode_prompt(BYTES, "hi") == [BYTES.bos_token_id, 104, 105]
+
+
+def test_add_bos_token_without_a_bos_token_is_an_error(tmp_path):
+    write_hf_tokenizer(tmp_path, tokenizer_config={"eos_token": "<|eos|>", "add_bos_token": True})
+    with pytest.raises(TokenizerError, match="add_bos_token is true but there is no bos token"):
+        load_tokenizer(str(tmp_path))
+
+
+# ---- Kimi-K2's tiktoken -----------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def kimi_dir(tmp_path_factory):
+    directory = write_kimi_tokenizer(tmp_path_factory.mktemp("kimi"))
+    base = _base_vocab(directory)
+    (directory / "config.json").write_text(f'{{"eos_token_id": {base + 1}}}')  # [EOS]
+    (directory / "generation_config.json").write_text(f'{{"eos_token_id": {base + 2}}}')  # <|im_end|>
+    return directory
+
+
+def _base_vocab(directory) -> int:
+    return len((directory / "tiktoken.model").read_bytes().splitlines())
+
+
+KIMI_TEXTS = [
+    "hello world, hello Kimi",
+    "你好世界 hello你好",
+    "The MODEL's answer isn't 1234567!",
+    "def f(x):\n    return x\n\n\n  tail  ",
+    "naïve café 東京 🚀 ÉCOLE l'été",
+    "[BOS]x<|im_end|>",
+]
+
+
+def test_kimi_tiktoken_reads_the_checkpoint_files(kimi_dir):
+    tok = load_tokenizer(str(kimi_dir))
+    assert isinstance(tok, TiktokenTokenizer)
+    base = _base_vocab(kimi_dir)
+    assert base > 256 + 30 and tok.vocab_size == base + 256
+    assert tok.special_tokens["[BOS]"] == base and tok.special_tokens["<|im_middle|>"] == base + 17
+    assert tok.special_tokens[f"<|reserved_token_{base + 5}|>"] == base + 5  # unnamed specials are reserved
+    assert (tok.bos_token_id, tok.bos_token, tok.eos_token, tok.pad_token_id) == (base, "[BOS]", "[EOS]", base + 255)
+    assert tok.eos_token_ids == (base + 1, base + 2)
+    assert tok.chat_template.startswith("{%- for message in messages")
+    assert tok.encode("[BOS]x<|im_end|>") == [base, ord("x"), base + 2]  # special strings become their ids
+    assert encode_prompt(tok, "x") == [ord("x")]  # Kimi's code adds no BOS and its tokenizer_config says nothing
+
+
+def test_kimi_tiktoken_pre_tokenizes_han_numbers_and_contractions_apart(kimi_dir):
+    tok = TiktokenTokenizer.from_dir(kimi_dir)
+    for whole, parts in [
+        ("你好abc", ["你好", "abc"]),
+        ("12345", ["123", "45"]),
+        ("It's", ["It's"]),
+        ("abc你好def", ["abc", "你好", "def"]),
+    ]:
+        assert tok.encode(whole) == [i for p in parts for i in tok.encode(p)], whole
+    assert tok.encode("hello") == [tok.encoding.encode_single_token(b"hello")]  # a learnt merge
+
+
+@pytest.fixture(scope="module")
+def kimi_converted(kimi_dir):
+    """transformers' TikTokenConverter: a `tokenizers` BPE built from the same file and pattern (its own merge
+    algorithm, the regex through Oniguruma), an independent reading to agree with."""
+    conversion = pytest.importorskip("transformers.convert_slow_tokenizer")
+    return conversion.TikTokenConverter(str(kimi_dir / "tiktoken.model"), pattern=KIMI_PATTERN).converted()
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(text=st.text(alphabet=st.characters(blacklist_categories=["Cs"])) | st.sampled_from(KIMI_TEXTS))
+def test_kimi_tiktoken_round_trips_and_equals_the_transformers_conversion(kimi_dir, kimi_converted, text):
+    tok = _kimi(kimi_dir)
+    ids = tok.encode(text)
+    assert tok.decode(ids, skip_special_tokens=False) == text
+    if not any(name in text for name in tok.special_tokens):
+        assert kimi_converted.encode(text, add_special_tokens=False).ids == ids
+
+
+_KIMI = {}
+
+
+def _kimi(directory) -> TiktokenTokenizer:
+    if directory not in _KIMI:
+        _KIMI[directory] = TiktokenTokenizer.from_dir(directory)
+    return _KIMI[directory]
+
+
+def test_kimi_tiktoken_padded_ids_and_long_runs(kimi_dir):
+    tok = TiktokenTokenizer.from_dir(kimi_dir)
+    hello = tok.encode("hello")
+    assert tok.decode([*hello, tok.vocab_size, tok.vocab_size + 100, *hello]) == "hellohello"
+    assert tok.decode([tok.bos_token_id, *hello]) == "hello"
+    assert tok.decode([tok.bos_token_id, *hello], skip_special_tokens=False) == "[BOS]hello"
+    long = "a" * 60_000 + " " * 30_000 + "b"
+    pieces = ["a" * 25_000, "a" * 25_000, "a" * 10_000 + " " * 25_000, " " * 5_000 + "b"]  # runs cut at 25,000
+    assert list(split_long_runs(long, 25_000)) == pieces
+    assert tok.decode(tok.encode(long)) == long
+
+
+def test_kimi_tokenizer_config_add_bos_token_is_honoured(tmp_path):
+    tok = load_tokenizer(str(write_kimi_tokenizer(tmp_path, tokenizer_config={"add_bos_token": True})))
+    assert encode_prompt(tok, "x") == [tok.bos_token_id, ord("x")]
+
+
+def test_tiktoken_file_errors_name_the_problem(tmp_path):
+    with pytest.raises(TokenizerError, match=r"no tokenizer\.json and no tiktoken\.model"):
+        load_tokenizer(str(tmp_path))
+    bad_line = write_kimi_tokenizer(tmp_path / "bad_line")
+    with (bad_line / "tiktoken.model").open("ab") as f:
+        f.write(b"not-base64!! 9999\n")
+    with pytest.raises(TokenizerError, match=rf"tiktoken\.model:{_base_vocab(bad_line)}: expected '<base64 token>"):
+        load_tokenizer(str(bad_line))
+    other = write_kimi_tokenizer(
+        tmp_path / "other", tokenizer_config={"auto_map": {"AutoTokenizer": ["tokenization_qwen.QWenTokenizer", None]}}
+    )
+    with pytest.raises(TokenizerError, match=r"'tokenization_qwen\.QWenTokenizer' is not one nanocp reads"):
+        load_tokenizer(str(other))
+    few = write_kimi_tokenizer(tmp_path / "few")
+    lines = (few / "tiktoken.model").read_bytes().splitlines()
+    (few / "tiktoken.model").write_bytes(b"\n".join(lines[1:]))
+    with pytest.raises(TokenizerError, match=f"not 0..{len(lines) - 2}"):
+        load_tokenizer(str(few))
 
 
 # ---- streaming ---------------------------------------------------------------------------------------------
