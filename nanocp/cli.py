@@ -71,7 +71,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
         ignore_eos=args.ignore_eos,
     )
     with LLM(args.model, **engine_kwargs(args)) as llm:
-        outs = llm.generate(args.prompt, params)
+        if args.chat:
+            outs = llm.chat([[{"role": "user", "content": prompt}] for prompt in args.prompt], params)
+        else:
+            outs = llm.generate(args.prompt, params)
     for out in outs:
         record = {
             "prompt": llm.tokenizer.decode(out.prompt_token_ids),
@@ -86,6 +89,26 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_plan(args: argparse.Namespace) -> int:
+    import torch
+
+    from .weight_plan import format_bytes, parse_bytes, plan_weights
+
+    dtype = getattr(torch, args.dtype, None)
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ValueError(f"unknown --dtype {args.dtype!r} (accepted: bfloat16, float16, float32)")
+    plan = plan_weights(args.model, args.decode_instances, dtype)
+    for w in plan.instances:
+        line = {"instance": w.rank, "experts": list(w.experts), "checkpoint_bytes": w.checkpoint_bytes}
+        line.update(resident_bytes=w.resident_bytes, resident=format_bytes(w.resident_bytes))
+        print(json.dumps(line))
+    if args.memory_per_instance is not None:
+        plan.check_fits(parse_bytes(args.memory_per_instance))
+    worst = plan.largest
+    print(f"largest instance: {format_bytes(worst.resident_bytes)} of weights in {plan.dtype}", file=sys.stderr)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="nanocp", description="Serve MoE LLMs with dynamic (per-request) context parallelism."
@@ -96,6 +119,11 @@ def build_parser() -> argparse.ArgumentParser:
     gen = sub.add_parser("generate", help="offline generation on a local decode cluster (like vLLM's LLM)")
     add_cluster_args(gen)
     gen.add_argument("prompt", nargs="+", help="one or more prompts")
+    gen.add_argument(
+        "--chat",
+        action="store_true",
+        help="send each prompt as one user message through the checkpoint's chat template (as /v1/chat/completions)",
+    )
     gen.add_argument("--max-tokens", type=int, default=32)
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--top-p", type=float, default=1.0)
@@ -103,6 +131,17 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--ignore-eos", action="store_true")
     gen.set_defaults(func=cmd_generate)
+
+    plan = sub.add_parser(
+        "plan", help="per-instance weight bytes of a checkpoint from its index alone; refuses a layout that cannot fit"
+    )
+    plan.add_argument("model", help="an HF checkpoint directory (config.json + model.safetensors.index.json)")
+    plan.add_argument("--decode-instances", type=int, required=True, help="number of DP-EP decode instances")
+    plan.add_argument("--dtype", default="bfloat16", help="compute dtype the weights are loaded in (default bfloat16)")
+    plan.add_argument(
+        "--memory-per-instance", default=None, help="e.g. 80GiB: refuse (exit 2) when an instance's weights exceed it"
+    )
+    plan.set_defaults(func=cmd_plan)
 
     profile = command_group(sub, "profile", "offline profiling (CP buckets, decode and prefill latency)")
     buckets = profile.add_parser("cp-buckets", help="length -> CP degree table from a latency profile")

@@ -75,6 +75,8 @@ class EngineConfig:
     # instance of the cluster sharing it). The driver's own prefill stays on the CPU and its KV is copied into the
     # instances' pools.
     device: str = "cpu"
+    # A progress bar (stderr) while the driver reads a checkpoint's weights (not for "tiny").
+    load_progress: bool = True
 
     def cluster_spec(self) -> ClusterSpec:
         if not isinstance(self.num_steps, int) or isinstance(self.num_steps, bool) or self.num_steps < 1:
@@ -172,6 +174,10 @@ class _InFlight:
     outputs: SampledRows | None = None
 
 
+def undecodable(error: Exception) -> str:
+    return f"the output tokens cannot be decoded by the tokenizer ({type(error).__name__}: {error})"
+
+
 @dataclass(frozen=True)
 class Recovery:
     """A decode-cluster failure the engine survived."""
@@ -189,7 +195,7 @@ class Engine:
             torch.set_num_threads(config.torch_threads)
         self.model_config = load_config(config.model)
         self.tokenizer = load_tokenizer(config.model)
-        self.prefill_model = load_model(config.model, dtype=config.dtype)
+        self.prefill_model = load_model(config.model, dtype=config.dtype, progress=config.load_progress)
         # The driver's own prefill runs the eager decode path's prepared weights, every routed expert local.
         self.prefill_weights = DecodeWeights.build(self.prefill_model, range(self.model_config.n_routed_experts))
         self.prefill_tier = None
@@ -601,14 +607,18 @@ class Engine:
         if reason is not None:
             if req.rid in self.scheduler:
                 self._finish_in_scheduler(req.rid)  # pages back now, not at the next iteration
-            self._end(req, reason)
+            self._end(req, reason, req.error)
 
     def _stop_reason(self, req: _Request, token: int) -> str | None:
         p = req.params
         if token in req.stop_ids:
             return "stop"
         if p.stop:
-            end = stop_string_end(self.tokenizer, req.output, p.stop)
+            try:
+                end = stop_string_end(self.tokenizer, req.output, p.stop)
+            except Exception as e:  # tokenizer code (any type): its failure ends this request, never the batch
+                req.error = undecodable(e)
+                return "error"
             if end is not None:
                 req.stop_text_end = end
                 return "stop"
@@ -642,11 +652,19 @@ class Engine:
     # ------------------------------------------------------------------ views
 
     def output_of(self, rid: str) -> RequestOutput:
+        """The request as it stands. Its text is the decoded output (an id without a token, from a padded
+        vocabulary, adds no text and keeps its place in token_ids); an output the tokenizer cannot decode makes a
+        finished request's finish_reason "error", with the reason, and no other request is touched."""
         req = self.requests[rid]
         ids = list(req.output)
         if req.finish_reason == "stop" and ids and ids[-1] in self.tokenizer.eos_token_ids:
             ids = ids[:-1]  # the EOS token is not part of the text
-        text = self.tokenizer.decode(ids)
+        reason, error = req.finish_reason, req.error
+        try:
+            text = self.tokenizer.decode(ids)
+        except Exception as e:  # tokenizer code (any type): its failure is this request's only
+            text, error = "", undecodable(e)
+            reason = "error" if reason is not None else None
         if req.stop_text_end is not None:
             text = text[: req.stop_text_end]
         return RequestOutput(
@@ -655,10 +673,10 @@ class Engine:
             list(req.output),
             text,
             req.finish_reason is not None,
-            req.finish_reason,
+            reason,
             req.metrics,
             list(req.logits) if req.keep_logits else None,
-            req.error,
+            error,
         )
 
     def release(self, rid: str) -> None:

@@ -78,6 +78,8 @@ def test_valid_completion_requests_parse_to_their_values(max_tokens, temperature
         (body(prompt="x", stream=True, stream_options={"include_usage": 1}), "stream_options.include_usage", None),
         (body(prompt="x", logprobs=3), "logprobs", "unsupported_parameter"),
         (body(prompt="x", echo=True), "echo", "unsupported_parameter"),
+        (body(prompt="x", stream=True, return_token_ids=True), "return_token_ids", "unsupported_parameter"),
+        (body(prompt="x", return_token_ids=1), "return_token_ids", None),
         (body(prompt=3), "prompt", "invalid_value"),
         (body(), "prompt", "invalid_value"),
         (json.dumps({"prompt": "x"}).encode(), "model", "invalid_value"),

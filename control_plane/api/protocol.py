@@ -38,6 +38,7 @@ class _SamplingFields(_Strict):
     stream_options: StreamOptions | None = None
     n: int = 1
     ignore_eos: bool = False  # extension (vLLM): keep generating past EOS (benchmarks)
+    return_token_ids: bool = False  # extension (vLLM): prompt_token_ids and token_ids in a non-streamed answer
     # OpenAI fields accepted only at their neutral value
     logprobs: Any = None
     frequency_penalty: float = 0.0
@@ -81,6 +82,10 @@ class _SamplingFields(_Strict):
             raise bad_request(f"at most {MAX_STOP_SEQUENCES} stop sequences, got {len(stops)}", "invalid_value", "stop")
         if any(not s for s in stops):
             raise bad_request("stop sequences must be non-empty strings", "invalid_value", "stop")
+        if self.return_token_ids and self.stream:
+            raise bad_request(
+                "'return_token_ids' is supported without 'stream' only", "unsupported_parameter", "return_token_ids"
+            )
         if self.stream_options is not None and not self.stream:
             raise bad_request("'stream_options' is only allowed with 'stream': true", "invalid_value", "stream_options")
 
@@ -207,6 +212,16 @@ def chat_body(rid: str, model: str, created: int, text: str, finish_reason: str 
 def chat_chunk(rid: str, model: str, created: int, delta: dict, finish_reason: str | None) -> dict:
     choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
     return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model, "choices": [choice]}
+
+
+def with_token_ids(body: dict, prompt_token_ids: list[int], token_ids: list[int]) -> dict:
+    """vLLM's return_token_ids fields: a completion's choice gets both lists; a chat answer gets prompt_token_ids
+    at the top and token_ids in its choice."""
+    choice = body["choices"][0]
+    target = choice if body["object"] == "text_completion" else body
+    target["prompt_token_ids"] = list(prompt_token_ids)
+    choice["token_ids"] = list(token_ids)
+    return body
 
 
 def usage_chunk(rid: str, model: str, created: int, obj: str, use: dict) -> dict:

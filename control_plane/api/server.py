@@ -38,7 +38,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from nanocp.data_plane.sampling import SamplingParams
-from nanocp.models import load_config, load_tokenizer
+from nanocp.models import encode_chat, encode_prompt, load_config, load_tokenizer
 
 from . import errors
 from .admission import AdmissionQueue
@@ -57,6 +57,7 @@ from .protocol import (
     parse_request,
     usage,
     usage_chunk,
+    with_token_ids,
 )
 from .streaming import TextStreamer
 
@@ -93,6 +94,18 @@ class _Job:
     params: SamplingParams
     stream: RequestStream | None
     include_usage: bool
+
+
+@dataclass
+class _Prepared:
+    """A request read, checked and tokenized, before it is admitted to the engine."""
+
+    kind: str  # "completion" | "chat"
+    ids: list[int]
+    params: SamplingParams
+    stream: bool
+    include_usage: bool
+    return_token_ids: bool  # extension (vLLM): the prompt's and the output's token ids in the answer
 
 
 class OpenAIServer:
@@ -201,29 +214,29 @@ class OpenAIServer:
             raise self.too_many_requests()
         self.metrics.set_admitted(self.admission.pending)
         try:
-            kind, ids, params, stream, include_usage = await prepare(request)
+            prepared = await prepare(request)
         except BaseException:
             self.admission.leave(completed=False)
             self.metrics.set_admitted(self.admission.pending)
             raise
-        return await self._generate(request, arrival, kind, ids, params, stream, include_usage)
+        return await self._generate(request, arrival, prepared)
 
-    async def _prepare_completion(self, request: Request) -> tuple[str, list[int], SamplingParams, bool, bool]:
+    async def _prepare_completion(self, request: Request) -> _Prepared:
         req = parse_request(CompletionRequest, await self._read_body(request))
         self._check_model(req.model)
         prompt = req.single_prompt()
-        ids = self.tokenizer.encode(prompt, add_special_tokens=True) if isinstance(prompt, str) else list(prompt)
+        ids = encode_prompt(self.tokenizer, prompt)
         params = self._sampling_params(req, req.max_tokens, len(ids), COMPLETIONS_DEFAULT_MAX_TOKENS)
-        return "completion", ids, params, req.stream, req.include_usage
+        return _Prepared("completion", ids, params, req.stream, req.include_usage, req.return_token_ids)
 
-    async def _prepare_chat(self, request: Request) -> tuple[str, list[int], SamplingParams, bool, bool]:
+    async def _prepare_chat(self, request: Request) -> _Prepared:
         req = parse_request(ChatCompletionRequest, await self._read_body(request))
         self._check_model(req.model)
         messages = [{"role": m.role, "content": m.text()} for m in req.messages]
         text = self.chat_template.render(messages, req.add_generation_prompt)
-        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        ids = encode_chat(self.tokenizer, text)
         params = self._sampling_params(req, req.requested_max_tokens(), len(ids), self.config.default_max_tokens)
-        return "chat", ids, params, req.stream, req.include_usage
+        return _Prepared("chat", ids, params, req.stream, req.include_usage, req.return_token_ids)
 
     async def _read_body(self, request: Request) -> bytes:
         limit = self.config.max_body_bytes
@@ -271,19 +284,11 @@ class OpenAIServer:
         except ValueError as e:
             raise errors.bad_request(str(e), "invalid_value") from None
 
-    async def _generate(
-        self,
-        request: Request,
-        arrival: float,
-        kind: str,
-        ids: list[int],
-        params: SamplingParams,
-        stream: bool,
-        include_usage: bool,
-    ) -> Response:
+    async def _generate(self, request: Request, arrival: float, prepared: _Prepared) -> Response:
         """Run an admitted request; its admission slot is freed when it leaves the server (_Cleanup)."""
+        kind, ids, params, stream = prepared.kind, prepared.ids, prepared.params, prepared.stream
         rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
-        job = _Job(rid, kind, int(time.time()), len(ids), params, None, include_usage)
+        job = _Job(rid, kind, int(time.time()), len(ids), params, None, prepared.include_usage)
         cleanup = _Cleanup(self, job)
         try:
             job.stream = self.loop.submit(rid, ids, params, arrival, stream_tokens=stream)
@@ -309,7 +314,10 @@ class OpenAIServer:
         use = usage(job.prompt_len, len(output.token_ids))
         name = self.config.model_name
         build = chat_body if kind == "chat" else completion_body
-        return JSONResponse(build(rid, name, job.created, output.text, output.finish_reason, use))
+        body = build(rid, name, job.created, output.text, output.finish_reason, use)
+        if prepared.return_token_ids:
+            with_token_ids(body, ids, output.token_ids)
+        return JSONResponse(body)
 
     async def _wait_output(self, request: Request, stream: RequestStream):
         """The request's RequestOutput, or None if the client disconnected first."""

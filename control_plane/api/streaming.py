@@ -18,11 +18,19 @@ class TextStreamer:
         self._decoder = StreamDecoder(tokenizer)
         self._holdback = max((len(s) for s in stop), default=1) - 1
         self.emitted = ""
+        self.failed = False  # the tokenizer failed on these tokens: nothing more is streamed
 
     def push(self, token_ids: Iterable[int]) -> str:
-        """New tokens -> the text that is now safe to send (possibly "")."""
-        for token in token_ids:
-            self._decoder.push(token)
+        """New tokens -> the text that is now safe to send (possibly ""). A tokenizer that fails on them stops the
+        stream's text; the request's final output says why (finish_reason "error")."""
+        if self.failed:
+            return ""
+        try:
+            for token in token_ids:
+                self._decoder.push(token)
+        except Exception:  # tokenizer code (any type): the engine ends this request with the reason
+            self.failed = True
+            return ""
         safe = len(self._decoder.emitted) - self._holdback
         if safe <= len(self.emitted):
             return ""
