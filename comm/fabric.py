@@ -40,6 +40,28 @@ class FabricError(RuntimeError):
     """A fabric operation failed (peer missing, backend failure, use after close)."""
 
 
+class FabricAborted(FabricError):
+    """The iteration was aborted from outside (a peer died or hung): every wait returns at once with this error."""
+
+    def __init__(self, rank: int, what: str):
+        super().__init__(f"rank {rank}: {what} aborted (a peer died or stopped answering)")
+
+
+class AbortWord:
+    """A shared int64 word that aborts every wait once it holds a value >= `generation`. The owner of a group of
+    ranks raises it (comm/liveness.py) when one of them dies or hangs, so the survivors' waits return at once
+    instead of running into their timeout. The owner hands each unit of work the generation it belongs to (set
+    `generation` before running it): work handed out after an abort has a higher generation and is not aborted."""
+
+    def __init__(self, words: memoryview, index: int, generation: int):
+        if generation < 1:
+            raise ValueError(f"an abort generation must be >= 1, got {generation}")
+        self.words, self.index, self.generation = words, index, generation
+
+    def fired(self) -> bool:
+        return self.words[self.index] >= self.generation
+
+
 class FabricTimeout(FabricError, TimeoutError):
     """`wait` (or `barrier`) did not see the flag reach its value in time."""
 

@@ -7,8 +7,9 @@ issued after the put's copy has returned, so a reader that sees the flag sees th
 preserved on x86-64's TSO memory model; weaker CPUs would need a fence that Python cannot issue, so on them
 run this backend only with payloads that carry their own checksum). Waiting polls the flag without sleeping for
 up to the session's spin_s (2 ms when every rank can have a core of its own: a sleeping process wakes late on a VM;
-20 us when ranks share cores), then with a 10 us..200 us sleep backoff. The creating rank unlinks its segments in
-`close()`; `ShmFabric.cleanup(info)` removes what a crashed session left.
+20 us when ranks share cores), then with a 10 us..200 us sleep backoff; a rank given an `AbortWord` checks it at
+every poll and raises `FabricAborted` once it fires (its owner saw a peer die or hang). The creating rank unlinks
+its segments in `close()`; `ShmFabric.cleanup(info)` removes what a crashed session left.
 """
 
 from __future__ import annotations
@@ -23,10 +24,13 @@ import torch
 from nanocp.comm import _shm
 from nanocp.comm.fabric import (
     DEFAULT_TIMEOUT_S,
+    MAX_FLAG_VALUE,
     POLL_SPIN_S,
     SHARED_CORE_SPIN_S,
+    AbortWord,
     BufferSpec,
     Fabric,
+    FabricAborted,
     FabricError,
     FabricTimeout,
     poll_until,
@@ -79,10 +83,17 @@ class ShmFabric(Fabric):
         """Unlink whatever segments of this session are left (after a crash); returns how many."""
         return _shm.unlink_prefix(info.prefix)
 
-    def __init__(self, info: ShmFabricInfo, rank: int, connect_timeout_s: float = DEFAULT_TIMEOUT_S):
+    def __init__(
+        self,
+        info: ShmFabricInfo,
+        rank: int,
+        connect_timeout_s: float = DEFAULT_TIMEOUT_S,
+        abort: AbortWord | None = None,
+    ):
         super().__init__(rank, info.world_size, info.num_flags)
         _shm.require_shm_dir()
         self.info = info
+        self.abort = abort
         self._owned: list[str] = []  # segment names this rank created (and unlinks)
         self._flag_segs = {}  # rank -> SharedMemory of that rank's flags
         self._flag_views: dict[int, memoryview] = {}  # rank -> int64 view of its flags
@@ -145,7 +156,15 @@ class ShmFabric(Fabric):
 
     def _wait(self, flag: int, value: int, timeout_s: float) -> int:
         view = self._flag_views[self.rank]
-        seen = poll_until(lambda: view[flag], value, time.monotonic() + timeout_s, spin_s=self.info.spin_s)
+        abort = self.abort
+        if abort is None:
+            read = lambda: view[flag]
+        else:  # an aborted wait reads past any value, so the poll returns at once
+            words, index, generation = abort.words, abort.index, abort.generation
+            read = lambda: view[flag] if words[index] < generation else MAX_FLAG_VALUE + 1
+        seen = poll_until(read, value, time.monotonic() + timeout_s, spin_s=self.info.spin_s)
+        if abort is not None and abort.fired():
+            raise FabricAborted(self.rank, f"wait for flag {flag} >= {value}")
         if seen < value:
             raise FabricTimeout(flag, self.rank, value, seen, timeout_s)
         return seen

@@ -3,7 +3,8 @@
 The driver (nanocp.LLM, the server) owns the KV pools' memory, so prefill can write a prompt's KV straight into
 the pages the scheduler chose, and hands each instance its routing table and the inputs of its MoE rows every
 iteration. Instances exchange queries, partial results and MoE tokens over the fabric (in-process or shared
-memory). Every fabric wait has a timeout: a dead or stuck instance surfaces as an error, never a hang.
+memory). Every fabric wait has a timeout: a dead or stuck instance surfaces as an error, never a hang. The
+processes backend is data_plane/process_cluster.py (it also detects a dead or hung instance at once).
 
 Routing tables carry incremental block tables (control_plane/lowering.py). `run_iteration(tables, rows,
 full_tables=plan.full_tables)` sends an instance its incremental table only when its block-table store is known to
@@ -15,37 +16,17 @@ Each instance's row inputs come as a `RowBatch` (or a dict of RowInputs) and the
 
 from __future__ import annotations
 
-import gc
-import math
-import multiprocessing as mp
-import pickle
-import select
-import time
-import traceback
-import weakref
 from collections.abc import Callable, Generator
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor
 from concurrent.futures import wait as futures_wait
-from dataclasses import dataclass, field
-from multiprocessing import connection as mp_connection
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from nanocp.comm.fabric import FabricTimeout, InProcessFabric
-from nanocp.comm.metadata_channel import (
-    Fault,
-    FaultySender,
-    MetadataChannelError,
-    ShmMetadataReceiver,
-    ShmMetadataSender,
-)
-from nanocp.comm.shm_fabric import ShmFabric
 from nanocp.control_plane.lowering import BASE_SEQ_SLOT, FULL_SLOT, RoutingTables
-from nanocp.control_plane.scheduler import StalePlanError
-from nanocp.driver_policy import own_policy
 from nanocp.models import load_config, load_model
-from nanocp.startup_heap import freeze_startup_heap
 
 from .block_store import StaleBlockTableError
 from .decode_layers import DecodeWeights
@@ -53,7 +34,7 @@ from .experts import owned_experts
 from .graph_runner import build_graph_engine
 from .instance import DecodeInstance, Handoff, InstanceLimits, RowOutput, fabric_flags
 from .kv_pool import PagedKVPool
-from .row_messages import RowBatch, Rows, SampledRows, pack_outputs, pack_rows, unpack_rows
+from .row_messages import Rows, SampledRows, pack_outputs, unpack_rows
 from .timing import PhaseRecord, TimingLog
 
 BACKENDS = ("inline", "threads", "processes", "ray")
@@ -77,11 +58,16 @@ class ClusterConfig:
     metadata_timeout_s: float = 2.0  # an instance waits this long for its table before asking for a resend
     metadata_retries: int = 3
     use_graphs: bool = False  # AOT graph engine: static buckets and pool (CUDA graphs on GPU, eager replay on CPU)
+    # Processes backend: an instance whose heartbeat stops for this long (stopped, wedged) is killed and handled as
+    # dead (data_plane/process_cluster.py).
+    heartbeat_timeout_s: float = 3.0
     # Where the instances' weights, KV pools and fabric buffers live. "cuda[:i]": every instance of this process
     # shares that GPU (inline and threads backends; instances in other processes stay on the CPU).
     device: str = "cpu"
 
     def __post_init__(self) -> None:
+        if not self.heartbeat_timeout_s > 0:
+            raise ValueError(f"heartbeat_timeout_s must be > 0, got {self.heartbeat_timeout_s!r}")
         try:
             device = torch.device(self.device)
         except (RuntimeError, TypeError):
@@ -343,344 +329,6 @@ def drive_cooperatively(
     return outputs
 
 
-def _process_main(cfg: ClusterConfig, rank: int, fabric_info, pool_kv: torch.Tensor, taken: torch.Tensor, conn) -> None:
-    torch.set_num_threads(1)
-    try:
-        fabric = ShmFabric(fabric_info, rank)
-        instance = build_instance(cfg, rank, fabric, PagedKVPool(pool_kv))
-        # The routing table arrives over the metadata channel: the driver pushes it into this context buffer
-        # and rings the doorbell; the frame header (sequence, length, checksum) is validated before use.
-        tables = ShmMetadataReceiver(rank, cfg.table_capacity_bytes)
-        freeze_startup_heap()  # this process only serves iterations (nanocp/startup_heap.py)
-        conn.send(("ready", rank, tables.info))
-    except Exception:  # noqa: BLE001 - reported to the driver
-        conn.send(("error", traceback.format_exc()))
-        return
-    taken_now = taken.numpy()  # the shared counter as numpy: a store costs far less than a tensor's
-    try:
-        while True:
-            try:
-                msg = conn.recv()
-            except EOFError:  # the driver is gone: nothing left to serve
-                break
-            if msg[0] == "stop":
-                break
-            _, seq, packed_rows, return_logits, handoffs = msg
-            try:
-                table = np.frombuffer(bytearray(tables.wait_table(seq, cfg.metadata_timeout_s)), dtype=np.int32)
-                if tables.last_seq != seq:
-                    raise MetadataChannelError(f"expected routing table {seq}, got {tables.last_seq}")
-            except MetadataChannelError as e:  # lost, torn, corrupt, stale or duplicated push: ask for it again
-                conn.send(("resync", seq, f"{type(e).__name__}: {e}"))
-                continue
-            taken_now[rank] = seq  # the context buffer is free for the next table (the driver may queue one)
-            try:
-                rows = unpack_rows(packed_rows)
-                out = instance.run_iteration(RoutingTables.parse(table), rows, return_logits, handoffs)
-                # pickled plainly, like the driver's messages (no reducer table copied per message)
-                conn.send_bytes(pickle.dumps(("ok", seq, pack_outputs(out), instance.timing.records)))
-                instance.timing.records = []
-            except StaleBlockTableError as e:  # refused before any exchange: the driver may send a full snapshot
-                conn.send(("stale", seq, f"{type(e).__name__}: {e}"))
-            except Exception as e:  # noqa: BLE001 - reported to the driver, the instance keeps serving
-                conn.send(("error", seq, f"{type(e).__name__}: {e}", isinstance(e, FabricTimeout)))
-    finally:
-        gc.unfreeze()  # the startup heap back to the collector: interpreter exit then frees it
-        tables.close()
-        fabric.close()
-
-
-@dataclass
-class Launch:
-    """One iteration sent to every instance of a ProcessCluster, until `collect` has every instance's answer."""
-
-    sent: list[np.ndarray]  # the table each instance got (a stale incremental one is replaced by its snapshot)
-    rows: list[RowBatch]
-    return_logits: bool
-    full_tables: FullTables | None
-    handoffs: list[list[Handoff]]  # per instance: kept tokens it sends to a request's new MoE instance
-    deadline: float
-    retries: list[int]  # resends so far, per instance
-    # instance -> ("ok", SampledRows, timing records) | ("error", message, is a fabric timeout)
-    answers: dict[int, tuple] = field(default_factory=dict)
-
-
-class ProcessCluster(_LocalPools):
-    """One process per instance (spawned), a shared-memory fabric between them; KV pools in shared memory.
-
-    An iteration is `launch`ed (each instance's table pushed, its inputs sent) and later `collect`ed; up to two may
-    be outstanding, so the driver can plan and send iteration t + 1 while the instances run t (overlapped
-    iterations, the engine's `overlap` option). An instance's metadata context buffer holds one table: the next
-    one is pushed only once the instance has taken the last (`taken`, a shared counter the instance sets after
-    copying and validating it) or given it up (a resync answer). Answers carry the push's sequence number, so an
-    answer to a resend or to the queued iteration is matched to its launch whatever order it comes in."""
-
-    incremental_tables = True  # run_iteration takes full_tables (see the module docstring)
-    overlaps = True  # launch / collect: an iteration can be queued behind the running one
-    instances_in_other_processes = True  # the engine's driver thread may run as SCHED_BATCH (nanocp/driver_policy.py)
-    max_outstanding = 2
-
-    def __init__(self, cfg: ClusterConfig, start_timeout_s: float = 120.0) -> None:
-        self.cfg = cfg
-        self.feed = TableFeed(cfg.num_instances)
-        self.pools = allocate_pools(cfg, shared=True)
-        self._info = ShmFabric.new_session(cfg.num_instances, num_flags=fabric_flags(cfg.num_instances))
-        self._taken = torch.zeros(cfg.num_instances, dtype=torch.int64).share_memory_()
-        self._taken_now = self._taken.numpy()  # the driver's view (a numpy read costs far less than a tensor's)
-        ctx = mp.get_context("spawn")
-        self._conns, self._procs = [], []
-        self._lost: set[int] = set()  # instances whose pipe closed: their process is exiting
-        with own_policy():  # instances run under the policy of the thread as it was, not the driver's (batch)
-            for r in range(cfg.num_instances):
-                parent, child = ctx.Pipe()
-                args = (cfg, r, self._info, self.pools[r].kv, self._taken, child)
-                proc = ctx.Process(target=_process_main, args=args, daemon=True)
-                proc.start()
-                child.close()  # the process has its own copy: ours would keep the pipe open after it dies (no EOF)
-                self._conns.append(parent)
-                self._procs.append(proc)
-        self._records: list[PhaseRecord] = []
-        self.resyncs = 0  # routing tables pushed again after an instance reported a bad or missing one
-        self._senders: list[ShmMetadataSender] = []
-        self._seqs = [0] * cfg.num_instances  # metadata channel sequence per instance (a resend takes a new one)
-        self._given_up = [0] * cfg.num_instances  # last sequence an instance answered "resync" for
-        self._waiting: dict[tuple[int, int], Launch] = {}  # (instance, sequence) -> its launch, until answered
-        # The pipes of the instances that owe an answer, in one poll object kept from call to call (a fresh wait set
-        # per call costs far more than the poll).
-        self._poller = select.poll()
-        self._polled: set[int] = set()
-        self._rank_of_fd = {conn.fileno(): r for r, conn in enumerate(self._conns)}
-        self._resends: list[list[Launch]] = [[] for _ in range(cfg.num_instances)]  # due once the buffer is free
-        self._outstanding: list[Launch] = []  # launched, not yet collected (oldest first)
-        self._faults: dict[int, list[Fault]] = {}  # test hook: faults to inject into the next pushes
-        # close() runs it; so does interpreter exit for a cluster never closed (no orphans, no shm left behind)
-        self._shutdown = weakref.finalize(self, _stop_processes, self._conns, self._procs, self._senders, self._info)
-        for r in range(cfg.num_instances):
-            try:
-                msg = self._recv(r, start_timeout_s)
-            except InstanceFailure as e:
-                self.close()
-                raise InstanceFailure(
-                    f"{e} while starting; its own error is printed above. A script that builds a cluster of "
-                    "processes must do so under `if __name__ == '__main__':` (each instance process starts by "
-                    "importing the main module)"
-                ) from e
-            if msg[0] != "ready":
-                self.close()
-                raise InstanceFailure(f"instance {r} failed to start:\n{msg[1]}")
-            self._senders.append(ShmMetadataSender(msg[2]))
-
-    def _recv(self, rank: int, timeout_s: float):
-        conn = self._conns[rank]
-        if not conn.poll(timeout_s):
-            alive = self._procs[rank].is_alive()
-            raise InstanceFailure(f"instance {rank} did not answer within {timeout_s:.0f} s (alive={alive})")
-        try:
-            return conn.recv()
-        except (EOFError, ConnectionResetError) as e:  # reset: the process died with our message unread
-            self._lost.add(rank)
-            raise InstanceFailure(f"instance {rank} died (exit code {self._exit_code(rank)})") from e
-
-    def run_iteration(
-        self,
-        tables: list[np.ndarray],
-        rows: list[Rows],
-        return_logits: bool = False,
-        full_tables: FullTables | None = None,
-    ) -> SampledRows:
-        return self.collect(self.launch(tables, rows, return_logits, full_tables))
-
-    def launch(
-        self,
-        tables: list[np.ndarray],
-        rows: list[Rows],
-        return_logits: bool = False,
-        full_tables: FullTables | None = None,
-        handoffs: list[list[Handoff]] | None = None,
-    ) -> Launch:
-        """Send an iteration to every instance; it runs once they finish the ones launched before it. `handoffs`
-        (per instance) hand the tokens an instance kept to the new MoE instance of a request that moved."""
-        if len(self._outstanding) >= self.max_outstanding:
-            raise RuntimeError(f"at most {self.max_outstanding} iterations can be outstanding; collect one first")
-        n = self.cfg.num_instances
-        sent = [self.feed.pick(r, tables, full_tables) for r in range(n)]
-        deadline = time.monotonic() + self.cfg.timeout_s * 2 + 5
-        handoffs = handoffs or [[] for _ in range(n)]
-        launch = Launch(sent, [pack_rows(r) for r in rows], return_logits, full_tables, handoffs, deadline, [0] * n)
-        self._outstanding.append(launch)
-        for r in range(n):
-            self._wait_until_free(r, deadline)
-            self._push(launch, r)
-        for r, table in enumerate(sent):  # the stores will hold these once they run (a failure forgets it)
-            self.feed.held_now(r, table)
-        return launch
-
-    def collect(self, launch: Launch) -> SampledRows:
-        """Wait for every instance's answer to `launch` (the oldest outstanding iteration): its sampled rows, or
-        InstanceFailure naming the first real error."""
-        if not self._outstanding or self._outstanding[0] is not launch:
-            raise RuntimeError("collect the oldest outstanding iteration first")
-        n = self.cfg.num_instances
-        while len(launch.answers) < n:
-            if not self._take_answers(launch.deadline - time.monotonic()):
-                for r in range(n):
-                    launch.answers.setdefault(r, ("error", f"instance {r} did not answer in time", False))
-        self._outstanding.pop(0)
-        errors = [a for a in launch.answers.values() if a[0] != "ok"]
-        if errors:
-            self.feed.forget()
-            real = [text for _, text, is_timeout in errors if not is_timeout] or [errors[0][1]]
-            raise InstanceFailure(f"decode iteration failed: {real[0]}")
-        for r in range(n):
-            self._records.extend(launch.answers[r][2])
-        return SampledRows.concat([launch.answers[r][1] for r in range(n)])
-
-    def _is_free(self, r: int) -> bool:
-        """Instance r's context buffer may take a new table: it took or gave up the last one pushed."""
-        return max(int(self._taken_now[r]), self._given_up[r]) >= self._seqs[r]
-
-    def _wait_until_free(self, r: int, deadline: float) -> None:
-        """Until instance r has taken its last table (usually it has: it started long ago), take every instance's
-        answers: r may be waiting on the fabric for a peer whose resend is due."""
-        while not self._is_free(r) and r not in self._lost:
-            if time.monotonic() > deadline:
-                raise InstanceFailure(f"instance {r} did not take its routing table in time")
-            self._take_answers(1e-4)
-
-    def _push(self, launch: Launch, r: int) -> None:
-        """Push instance r's table of `launch` (new sequence number) and tell it to run the iteration."""
-        if r in self._lost:
-            launch.answers[r] = ("error", f"instance {r} died (exit code {self._exit_code(r)})", False)
-            return
-        self._seqs[r] += 1
-        seq = self._seqs[r]
-        faults = self._faults.get(r)
-        if faults:
-            FaultySender(self._senders[r]).push(seq, launch.sent[r].tobytes(), fault=faults.pop(0))
-        else:
-            self._senders[r].push(seq, launch.sent[r].tobytes())
-        self._waiting[(r, seq)] = launch
-        try:
-            # Pickled plainly: nothing in it needs multiprocessing's reducers, whose table `send` copies per message.
-            message = ("run", seq, launch.rows[r], launch.return_logits, launch.handoffs[r])
-            self._conns[r].send_bytes(pickle.dumps(message))
-        except OSError:  # broken pipe: the process is gone
-            self._lost_instance(r)
-
-    def _take_answers(self, timeout_s: float) -> bool:
-        """Take the answers that arrive within timeout_s from every instance that owes one, then push the resends
-        whose instance's buffer is free. False when nothing came."""
-        ready = self._poll_owing(timeout_s)
-        for r in ready:
-            self._take_answer(r)
-        for r in range(self.cfg.num_instances):
-            while self._resends[r] and self._is_free(r):
-                self._push(self._resends[r].pop(0), r)
-        return bool(ready)
-
-    def _poll_owing(self, timeout_s: float) -> list[int]:
-        """The instances that owe an answer and have one (or an EOF) to read within timeout_s, in rank order."""
-        owing = {r for r, _ in self._waiting}
-        for r in owing - self._polled:
-            self._poller.register(self._conns[r].fileno(), select.POLLIN)
-        for r in self._polled - owing:
-            self._poller.unregister(self._conns[r].fileno())
-        self._polled = owing
-        if not owing:
-            return []
-        events = self._poller.poll(math.ceil(max(0.0, timeout_s) * 1e3))
-        return sorted(self._rank_of_fd[fd] for fd, _ in events)
-
-    def _take_answer(self, r: int) -> None:
-        """Read one answer of instance r and file it with its launch (a table to resend is queued)."""
-        try:
-            msg = self._conns[r].recv()
-        except (EOFError, ConnectionResetError):  # reset: the process died with our message unread
-            self._lost_instance(r)
-            return
-        kind, seq = msg[0], msg[1]
-        launch = self._waiting.pop((r, seq))
-        if kind == "resync":
-            self._given_up[r] = max(self._given_up[r], seq)
-        if kind == "stale" and TableFeed.can_resend_full(launch.sent[r], launch.full_tables):
-            try:  # its store missed a table: rebuild it from the full snapshot
-                launch.sent[r] = launch.full_tables()[r]
-                kind = "resync"
-            except StalePlanError:  # an overlapped launch whose plan is no longer the scheduler's latest
-                pass
-        if kind == "resync" and launch.retries[r] < self.cfg.metadata_retries:
-            launch.retries[r] += 1
-            self.resyncs += 1
-            self._resends[r].append(launch)
-        elif kind == "ok":
-            launch.answers[r] = ("ok", msg[2], msg[3])
-        elif kind == "resync":
-            launch.answers[r] = ("error", f"instance {r}: routing table undeliverable ({msg[2]})", False)
-        elif kind == "stale":
-            launch.answers[r] = ("error", f"instance {r}: {msg[2]}", False)
-        else:
-            launch.answers[r] = ("error", f"instance {r}: {msg[2]}", msg[3])
-
-    def _lost_instance(self, r: int) -> None:
-        """Instance r's pipe closed: every launch waiting on it gets its error."""
-        self._lost.add(r)
-        error = ("error", f"instance {r} died (exit code {self._exit_code(r)})", False)
-        for key in [k for k in self._waiting if k[0] == r]:
-            self._waiting.pop(key).answers[r] = error
-        for launch in self._resends[r]:
-            launch.answers[r] = error
-        self._resends[r].clear()
-
-    def _exit_code(self, r: int) -> int | None:
-        """Instance r's exit code, once it has exited: its pipe closes a moment before (up to 5 s of waiting)."""
-        proc = self._procs[r]
-        mp_connection.wait([proc.sentinel], timeout=5.0)
-        return proc.exitcode
-
-    def dead_instances(self) -> list[int]:
-        # A closed pipe can be seen a moment before the process has exited: give those time to end. A process has
-        # exited once its sentinel is readable, whichever thread reaps it (is_alive() says True while another
-        # thread's join is reaping it: its waitpid fails).
-        for r in self._lost:
-            mp_connection.wait([self._procs[r].sentinel], timeout=5.0)
-        return [r for r, proc in enumerate(self._procs) if mp_connection.wait([proc.sentinel], timeout=0)]
-
-    def kill_instance(self, instance: int) -> None:
-        """Fault injection (tests, reliability runs): SIGKILL one instance process."""
-        self._procs[instance].kill()
-        self._procs[instance].join()
-
-    def inject_metadata_fault(self, instance: int, fault: Fault) -> None:
-        """Fault injection (tests): the next routing-table push to `instance` is dropped/corrupted/torn."""
-        self._faults.setdefault(instance, []).append(fault)
-
-    def timing_records(self) -> list[PhaseRecord]:
-        records, self._records = self._records, []
-        return records
-
-    def close(self) -> None:
-        self._shutdown()
-
-
-def _stop_processes(conns: list, procs: list, senders: list, info) -> None:
-    """Stop the instance processes (a "stop" message, then SIGKILL after 10 s) and free the shared memory. A
-    ProcessCluster's finalizer: it runs on close(), or at interpreter exit for a cluster nobody closed."""
-    for conn, proc in zip(conns, procs):
-        try:
-            if proc.is_alive():
-                conn.send(("stop",))
-        except (BrokenPipeError, OSError):
-            pass
-    for proc in procs:
-        proc.join(timeout=10)
-        if proc.is_alive():
-            proc.kill()
-            proc.join()
-    for sender in senders:
-        sender.close()
-    ShmFabric.cleanup(info)
-
-
 def make_cluster(backend: str, cfg: ClusterConfig, **options):
     """A decode cluster of `cfg.num_instances` instances; `options` go to the Ray cluster (placement)."""
     if torch.device(cfg.device).type != "cpu" and backend not in ("inline", "threads"):
@@ -690,6 +338,8 @@ def make_cluster(backend: str, cfg: ClusterConfig, **options):
     if backend == "threads":
         return ThreadCluster(cfg)
     if backend == "processes":
+        from .process_cluster import ProcessCluster
+
         return ProcessCluster(cfg)
     if backend == "ray":
         from .ray_cluster import RayCluster

@@ -49,6 +49,8 @@ class EngineConfig:
     timeout_s: float = 30.0
     timing: bool = False
     metadata_timeout_s: float = 2.0  # processes backend: wait for a routing table before asking for a resend
+    # processes backend: an instance whose heartbeat stops this long (stopped, wedged) is killed and handled as dead
+    heartbeat_timeout_s: float = 3.0
     use_graphs: bool = False  # AOT graph engine (buckets over the execution shape, one static pool)
     num_steps: int = 1  # decode steps per iteration (multi-step execution: one plan, k sub-steps on the instances)
     # Overlapped iterations (processes backend): plan and send iteration t + 1 while the instances run t; each
@@ -205,6 +207,7 @@ class Engine:
                 queue_policy=config.prefill_queue_policy,
                 max_request_tokens=config.kv_capacity_tokens,
                 timeout_s=config.timeout_s,
+                heartbeat_timeout_s=config.heartbeat_timeout_s,
             )
             self.prefill_tier = CdspPrefillTier(self.prefill_model, tier)
         self.recoveries: list[Recovery] = []
@@ -222,8 +225,10 @@ class Engine:
         # (instance, frame) pages of requests of the iteration in flight that freed them (or will, at the next plan)
         self._released_pages: dict[str, frozenset[tuple[int, int]]] = {}
 
-    def _build_cluster(self, spec: ClusterSpec) -> None:
-        """A scheduler and a decode cluster of spec.num_instances instances (the experts split over them)."""
+    def _build_cluster(self, spec: ClusterSpec, previous=None) -> None:
+        """A scheduler and a decode cluster of spec.num_instances instances (the experts split over them). After a
+        failure, `previous` (the failed cluster) is rebuilt in its surviving processes when it can be (`rebuild`),
+        which costs far less than starting new ones; otherwise it is closed."""
         config = self.config
         self.spec = spec
         self.scheduler = GlobalScheduler(
@@ -250,9 +255,15 @@ class Engine:
             config.timing,
             metadata_timeout_s=config.metadata_timeout_s,
             use_graphs=config.use_graphs,
+            heartbeat_timeout_s=config.heartbeat_timeout_s,
             device=config.device,
         )
-        self.cluster = make_cluster(config.backend, cluster_cfg, **config.cluster_options)
+        if previous is not None and hasattr(previous, "rebuild"):
+            self.cluster = previous.rebuild(cluster_cfg)
+        else:
+            if previous is not None:
+                previous.close()
+            self.cluster = make_cluster(config.backend, cluster_cfg, **config.cluster_options)
         self.overlaps = config.overlap and getattr(self.cluster, "overlaps", False)
         self._inflight = None
 
@@ -270,12 +281,11 @@ class Engine:
         if survivors < 1:
             raise RuntimeError("every decode instance is gone") from error
         self.recoveries.append(Recovery(self.iterations, tuple(dead), survivors, str(error)))
-        self.cluster.close()
         per_node = self.spec.instances_per_node
         if survivors % per_node:
             per_node = survivors  # the survivors form one node
         spec = ClusterSpec(survivors // per_node, per_node, self.spec.kv_capacity_tokens, self.spec.page_size)
-        self._build_cluster(spec)
+        self._build_cluster(spec, previous=self.cluster)
         for req in self.requests.values():
             if req.finish_reason is not None:
                 continue

@@ -13,7 +13,9 @@ move raises (never hangs). For every chunk the executor computes, from its bookk
 
 Failures: an instance that dies (`kill_instance`, fault injection standing for a lost process) raises
 `PrefillInstanceFailure` at its next resumption, so the chunk in progress fails at once instead of its peers waiting
-on the fabric; the dead instance stays out of every later chunk.
+on the fabric; the dead instance stays out of every later chunk. One that stops answering without dying
+(`stop_instance`: a stopped process, a wedged kernel) is no longer resumed; once it has been silent for
+`heartbeat_timeout_s` it is declared dead the same way.
 
 Timing (optional): a `CriticalPathClock` measures every resumption of every member (thread CPU time) and carries the
 sender's clock across each signal, which gives the chunk's latency as if every member ran on its own core (the
@@ -163,9 +165,12 @@ def drive(
     instances: Sequence[PrefillInstance],
     clock: CriticalPathClock | None,
     check_alive: Callable[[int], None] | None = None,
+    responsive: Callable[[int], bool] | None = None,
 ) -> dict:
     """Run generators (rank -> generator) cooperatively to completion; returns rank -> returned value.
-    `check_alive(rank)` runs before every resumption and raises if that instance is gone."""
+    `check_alive(rank)` runs before every resumption and raises if that instance is gone; `responsive(rank)` False
+    skips a rank that stopped answering (it raises once the rank is declared dead), so a round in which nobody
+    moved while such a rank is waited for polls again instead of reporting a deadlock."""
     waits: dict[int, Wait | None] = {r: None for r in steps}
     results = {}
     while waits:
@@ -176,6 +181,8 @@ def drive(
                 continue
             if check_alive is not None:
                 check_alive(r)
+            if responsive is not None and not responsive(r):
+                continue
             if clock is not None:
                 clock.begin(r, wait)
             try:
@@ -188,6 +195,9 @@ def drive(
                     clock.end(r)
             moved = True
         if not moved:
+            if responsive is not None and not all(responsive(r) for r in waits):
+                time.sleep(1e-3)  # a stopped instance: wait for it to be declared dead
+                continue
             raise PrefillExecError(f"chunk deadlocked: instances {sorted(waits)} wait forever")
     return results
 
@@ -209,9 +219,13 @@ class SpPrefillExecutor:
         num_instances: int,
         max_request_tokens: int,
         timing: bool = False,
+        heartbeat_timeout_s: float = 3.0,
     ) -> None:
         if num_instances < 1:
             raise ValueError(f"num_instances must be >= 1, got {num_instances}")
+        if not heartbeat_timeout_s > 0:
+            raise ValueError(f"heartbeat_timeout_s must be > 0, got {heartbeat_timeout_s}")
+        self.heartbeat_timeout_s = heartbeat_timeout_s
         self.model = model
         self.num_instances = num_instances
         self.max_request_tokens = max_request_tokens
@@ -229,6 +243,8 @@ class SpPrefillExecutor:
         self._seq = 0
         self.dead: set[int] = set()
         self._doomed: dict[int, int] = {}  # rank -> resumptions it still runs before it dies (fault injection)
+        self._stopping: dict[int, int] = {}  # rank -> resumptions it still runs before it stops answering
+        self._stopped: dict[int, float] = {}  # rank -> when it stopped answering (its last heartbeat)
 
     def close(self) -> None:
         for inst in self.instances:
@@ -246,6 +262,16 @@ class SpPrefillExecutor:
             raise ValueError(f"after_resumes must be >= 0, got {after_resumes}")
         self._doomed[rank] = after_resumes
 
+    def stop_instance(self, rank: int, after_resumes: int = 0) -> None:
+        """Fault injection: instance `rank` stops answering after `after_resumes` more resumptions (a stopped
+        process, a wedged kernel): it is never resumed again, and once silent for heartbeat_timeout_s it is
+        declared dead (its rows lost), which fails the chunk that waits for it."""
+        if not 0 <= rank < self.num_instances:
+            raise ValueError(f"instance {rank} outside [0, {self.num_instances})")
+        if after_resumes < 0:
+            raise ValueError(f"after_resumes must be >= 0, got {after_resumes}")
+        self._stopping[rank] = after_resumes
+
     def alive(self) -> list[int]:
         """Instances that have not died, ascending."""
         return [r for r in range(self.num_instances) if r not in self.dead]
@@ -259,8 +285,28 @@ class SpPrefillExecutor:
                 self.instances[rank].store.clear()  # what a lost process held is gone
             else:
                 self._doomed[rank] = left - 1
+        left = self._stopping.get(rank)
+        if left is not None:
+            if left == 0:
+                del self._stopping[rank]
+                self._stopped[rank] = time.monotonic()
+            else:
+                self._stopping[rank] = left - 1
         if rank in self.dead:
             raise PrefillInstanceFailure(rank)
+
+    def _responsive(self, rank: int) -> bool:
+        """False while `rank` is stopped; raises PrefillInstanceFailure once it has been silent for the heartbeat
+        timeout (it is dead from then on)."""
+        since = self._stopped.get(rank)
+        if since is None:
+            return True
+        if time.monotonic() - since < self.heartbeat_timeout_s:
+            return False
+        del self._stopped[rank]
+        self.dead.add(rank)
+        self.instances[rank].store.clear()  # a process killed for its silence loses what it held
+        raise PrefillInstanceFailure(rank, f"no heartbeat for {self.heartbeat_timeout_s:g} s")
 
     # ------------------------------------------------------------------ requests
 
@@ -332,7 +378,11 @@ class SpPrefillExecutor:
         if dead:
             raise PrefillInstanceFailure(dead[0], f"request {rid!r} needs it for chunk {state.chunks}")
         outputs: dict[int, ChunkOutput] = drive(
-            {r: self.instances[r].chunk(w) for r, w in works.items()}, self.instances, self.clock, self._check_alive
+            {r: self.instances[r].chunk(w) for r, w in works.items()},
+            self.instances,
+            self.clock,
+            self._check_alive,
+            self._responsive,
         )
         state.context += spec.tokens
         state.holdings = {i: plan.targets[i] + query_counts[k] for k, i in enumerate(group)}

@@ -14,6 +14,7 @@ order; the hand-off copies chunk k's KV on worker threads while chunk k+1 comput
 Failures: when a prefill instance dies (`PrefillInstanceFailure` from the executor), the call finishes the copies in
 flight, keeps every request whose KV has fully landed, and re-plans all the others from their first token on the
 surviving instances (the planner now plans that smaller pool); the dead instance is left out of every later call.
+An instance that stops answering is declared dead after `heartbeat_timeout_s` and handled the same way.
 With no instance left the call raises `TierError`.
 """
 
@@ -58,6 +59,7 @@ class TierConfig:
     transfer_backends: int | None = None  # receive backends per decode instance; None: one per prefill instance
     transfer_workers: int = 2
     timeout_s: float = 60.0
+    heartbeat_timeout_s: float = 3.0  # an instance that stops answering this long is declared dead
 
     @property
     def num_instances(self) -> int:
@@ -118,7 +120,9 @@ class CdspPrefillTier:
         self.members = list(range(config.num_instances))  # planner instance index -> executor instance
         self.planner = CdspPlanner(self.models, self._planner_config(self.members))
         self.max_request_tokens = config.max_request_tokens or model.config.max_position_embeddings
-        self.executor = SpPrefillExecutor(model, config.num_instances, self.max_request_tokens)
+        self.executor = SpPrefillExecutor(
+            model, config.num_instances, self.max_request_tokens, heartbeat_timeout_s=config.heartbeat_timeout_s
+        )
         self.stats = TierStats()
         self.failures: list[PrefillFailure] = []  # every instance lost so far
 

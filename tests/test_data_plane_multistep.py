@@ -17,8 +17,9 @@ import torch
 from nanocp import LLM, SamplingParams
 from nanocp.control_plane import ClusterSpec, CPBucketTable, GlobalScheduler, RoutingTables
 from nanocp.data_plane.block_store import BlockTableStore, StaleBlockTableError
-from nanocp.data_plane.cluster import ClusterConfig, InlineCluster, InstanceFailure, ProcessCluster, ThreadCluster
+from nanocp.data_plane.cluster import ClusterConfig, InlineCluster, InstanceFailure, ThreadCluster
 from nanocp.data_plane.instance import InstanceLimits, RowInput
+from nanocp.data_plane.process_cluster import ProcessCluster
 
 FORCE_CP = CPBucketTable((24, 10**9), (1, 4))  # prompts longer than 24 tokens are split over 4 instances
 GREEDY = SamplingParams(max_tokens=9, temperature=0.0, ignore_eos=True)
