@@ -26,6 +26,7 @@ from nanocp.models import (
     prefill_forward,
     write_safetensors,
 )
+from nanocp.models.checkpoint import materialised_bytes
 from nanocp.models.quantization import Fp8BlockQuantization, QuantizationError, dequantize_blocks
 
 # 1 dense + 2 MoE layers, 16 experts; hidden 64, expert width 32, kv_a rows 64 + 16 = 80.
@@ -109,6 +110,15 @@ def test_fp8_checkpoint_loads_in_bf16_with_one_rounding(tmp_path):
     name = "model.layers.1.mlp.experts.3.down_proj.weight"
     assert torch.equal(loaded.layers[1].moe.experts[3].down_proj, real[name].bfloat16())
     assert loaded.layers[1].moe.e_score_correction_bias.dtype == torch.float32
+
+
+def test_loading_shows_a_progress_bar_over_the_bytes_materialised(tmp_path, capsys):
+    write_fp8_checkpoint(tmp_path, CONFIG, SEED, (16, 32))
+    load_weights(tmp_path, expert_ids={0, 1}, dtype=torch.bfloat16, progress=True)
+    config = ModelConfig.from_pretrained_dir(tmp_path)
+    total = materialised_bytes(config, {0, 1}, torch.bfloat16)
+    bar = capsys.readouterr().err.strip().splitlines()[-1]
+    assert bar.startswith(f"loading {tmp_path}: 100%") and f"{total / 1024:.0f}k/{total / 1024:.0f}k" in bar
 
 
 def test_an_instance_reads_only_its_experts_and_their_scales(tmp_path):
