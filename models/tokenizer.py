@@ -113,7 +113,9 @@ class HFTokenizer:
     vocab_size: int = field(init=False)
 
     def __post_init__(self) -> None:
-        self.vocab_size = self.tokenizer.get_vocab_size(with_added_tokens=True)
+        # past the highest id with a token (added tokens may leave gaps, so not just their count)
+        ids = self.tokenizer.get_vocab(with_added_tokens=True).values()
+        self.vocab_size = max(self.tokenizer.get_vocab_size(with_added_tokens=True), max(ids, default=-1) + 1)
 
     @property
     def bos_token(self) -> str | None:
