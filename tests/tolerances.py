@@ -24,8 +24,9 @@ absolute error of an fp32 evaluation of it, scaled by the actual magnitudes (|x|
 norm of the whole result. Bounds are first order in u plus gamma's own higher-order terms; products of two error
 terms (each < 2^-10 here) are covered by the 2^-10 relative margin of `assert_within`. Two fp32 evaluations of
 the same value (a kernel and its torch reference, two summation orders) differ by at most the sum of their bounds.
-These are worst cases: the errors seen are typically 10-1000x smaller (rounding errors mostly cancel, growing like
-sqrt(n) u); a wrong index, a missing term or a wrong scale is still far outside them.
+These are worst cases: the errors seen come near them for sums of two or three terms (a rope pair) and are up to
+10^4 times smaller through a chain of GEMMs (rounding errors mostly cancel, growing like sqrt(n) u, and |W| |x|
+exceeds |W x|); a wrong index, a missing term or a wrong scale is still far outside them.
 
 They bound single steps (a kernel, a layer's projection, an MLP, an attention, a merge). Whole-model comparisons
 (several layers, MoE routing, the data plane against the single-instance reference) check the project's accuracy
