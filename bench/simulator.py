@@ -361,13 +361,17 @@ class ClusterSimulator:
             rec = self.records[live.index]
             rec.finish_s, rec.status = now, FINISHED
             self._missed += not rec.meets(self.config.slo)
+        rejected = set(plan.rejected)
+        for sid in plan.preempted:
+            if sid in rejected:  # preempted, then grown past what the policy can ever re-admit: ends just below
+                self.records[self._live[sid].index].preemptions += 1
+                continue
+            self._preempt(sid, k, now)
         for sid in plan.rejected:
             live = self._end_segment(sid, k)
             self.records[live.index].status = REJECTED
             self._missed += 1
             self._waiting.pop(sid, None)
-        for sid in plan.preempted:
-            self._preempt(sid, k, now)
         for adm in plan.admitted:
             live = self._live[adm.rid]
             live.admitted_at = k

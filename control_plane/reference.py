@@ -463,13 +463,13 @@ class ReferenceCore:
     def _place_csps(self, context: int, window: int) -> tuple[int, dict[int, int]] | None:
         """CSPS's SP decode: a request longer than the partition length S is split into ceil(L/S) near-equal
         contiguous partitions on the least-loaded instances of the node with the least KV, next to short requests;
-        the last partition holds the MoE binding and the new tokens. Short requests go whole to the instance with
-        the fewest running requests."""
-        if context <= self.policy_arg:
+        the last partition holds the MoE binding and the new tokens. Short requests (up to S tokens and what one
+        instance holds) go whole to the instance with the fewest running requests."""
+        room = self.spec.frames_per_instance * self.spec.page_size - 1
+        if context <= min(self.policy_arg, room):
             target = min(range(self.spec.num_instances), key=lambda i: (self.moe_batch[i], self.kv_tokens[i], i))
             split = {target: context + window}
             return (target, split) if self._can_allocate(target, split) else None
-        room = self.spec.frames_per_instance * self.spec.page_size - 1
         parts = min(max(-(-context // self.policy_arg), -(-context // room)), self.spec.instances_per_node)
         node = min(
             range(self.spec.num_nodes),

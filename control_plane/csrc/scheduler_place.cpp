@@ -178,10 +178,11 @@ bool SchedulerCore::place_medha(int64_t context, int64_t window, int& moe) {
   return can_allocate(moe);
 }
 
-// reference.py _place_csps: up to S tokens: whole, on the instance with the fewest running requests; longer: ceil(L/S)
-// (at least what fits) near-equal partitions on the least-KV instances of the least-KV node, MoE on the last one.
+// reference.py _place_csps: up to S tokens (and what one instance holds): whole, on the instance with the fewest
+// running requests; longer: ceil(L/S) (at least what fits) near-equal partitions on the least-KV instances of the
+// least-KV node, MoE on the last one.
 bool SchedulerCore::place_csps(int64_t context, int64_t window, int& moe) {
-  if (context <= policy_arg_) {
+  if (context <= std::min(policy_arg_, room_)) {
     int target = 0;
     for (int i = 1; i < shape_.num_instances; ++i)
       if (std::make_pair(moe_batch_[i], kv_tokens_[i]) < std::make_pair(moe_batch_[target], kv_tokens_[target]))
