@@ -124,6 +124,9 @@ class SimConfig:
     max_sim_time_s: float = math.inf  # stop here; requests not done count as unfinished
     stop_when_slo_lost: bool = False  # stop once more requests missed the SLO than the attainment target allows
     progress: bool = True
+    # Charge every iteration at its balanced ideal instead of the plan's cost: what a perfectly balanced placement
+    # of the same requests would sustain (the policy still decides admissions and memory).
+    charge_ideal: bool = False
 
     @property
     def num_instances(self) -> int:
@@ -395,7 +398,8 @@ class ClusterSimulator:
         routes = self._routes(plan, int(shards.sum()), running)
         cost = self.profile.iteration_cost(kv, shards, batch, routes, self.node_of)
         ideal = self.profile.ideal_iteration_time(float(kv.sum()), float(batch.sum()), len(batch))
-        self._append_cum(cost.total_s, ideal)
+        dt = ideal if self.config.charge_ideal else cost.total_s
+        self._append_cum(dt, ideal)
         if now <= self._horizon:  # the loaded window, as in the run's balance summary
             for key, value in cost.layer.items():
                 self._layer_sum[key] = self._layer_sum.get(key, 0.0) + value
@@ -404,7 +408,7 @@ class ClusterSimulator:
         n_queries = routes.total if routes is not None else 0
         self.log.append(
             t=now,
-            dt=cost.total_s,
+            dt=dt,
             ideal_dt=ideal,
             running=running,
             waiting=self.sched.num_waiting,
@@ -416,7 +420,7 @@ class ClusterSimulator:
             cp_bytes=n_queries * self.cp_bytes_per_query,
             **{f"slowest_{p}": v for p, v in cost.slowest_layer.items()},
         )
-        return cost.total_s
+        return dt
 
     def _append_cum(self, dt: float, ideal: float) -> None:
         self._cum_dt.append(self._cum_dt[-1] + dt)

@@ -152,7 +152,9 @@ def test_capacity_toy_schema(tmp_path):
     )
     result = ex.run_capacity(cfg, ["nanocp", "least-batch"], log=lambda *_: None)
     w = result["workloads"]["sharegpt4"]
-    assert set(w["policies"]) == {"nanocp", "least-batch"} and w["reference_rate_rps"] >= 0
+    assert set(w["policies"]) == {"nanocp", "least-batch", ex.IDEAL} and w["reference_rate_rps"] >= 0
+    # the balanced ideal never costs more than the plan: its capacity bounds nanocp's (within the search's bracket)
+    assert w["policies"][ex.IDEAL]["capacity_rps"] >= w["policies"]["nanocp"]["capacity_rps"]
     for e in w["policies"].values():
         assert 1 <= len(e["history"]) <= 3 and e["capacity_rps"] >= 0
         passing = [h["rate"] for h in e["history"] if h["slo_attainment"] >= 0.99]
@@ -198,6 +200,17 @@ def test_balance_toy_schema_and_summary(tmp_path):
 def test_summary_needs_results(tmp_path):
     with pytest.raises(ex.ExperimentError):
         ex.write_summary(tmp_path)
+
+
+@needs_traces
+def test_the_ideal_run_charges_every_iteration_its_balanced_ideal():
+    reqs = ex.WorkloadPool("mix:0.05", seed=0).at(20.0, 2.0)
+    profile = TOY.load_profile()
+    ideal, plan = (ex.serve(reqs, TOY, profile, p, SLO()) for p in (ex.IDEAL, "nanocp"))
+    assert np.array_equal(ideal.log.array("dt"), ideal.log.array("ideal_dt"))
+    assert ideal.metrics.ideal["busy_time_ratio"] == pytest.approx(1.0)
+    assert plan.metrics.ideal["busy_time_ratio"] >= 1.0
+    assert ideal.config.policy == "nanocp" and ideal.config.charge_ideal and not plan.config.charge_ideal
 
 
 @needs_traces
