@@ -3,7 +3,7 @@
 Every iteration the control plane pushes each instance's table (opaque bytes) as one frame:
 
     header (32 bytes, little endian): magic b"NCPM", version u16, flags u16, seq u64, payload_len u32,
-                                      payload crc32 u32, instance_id u32, header crc32 u32
+                                      payload crc32c u32, instance_id u32, header crc32c u32
     payload (payload_len bytes)
 
 into the instance's context buffer, laid out as
@@ -14,7 +14,11 @@ A writer bumps `begin`, writes the payload, then the header, and rings the doorb
 for the doorbell, copies header and payload, and retries if `begin` moved meanwhile (a newer frame is being
 written). It then validates magic, version, header checksum, length, instance id, payload checksum and
 sequence number and raises `MetadataError` naming the failed check: a torn, corrupted, stale or duplicated
-frame is never returned. A missing frame raises `MetadataTimeout`.
+frame is never returned. A missing frame raises `MetadataTimeout`. The checksums are CRC-32C (Castagnoli) computed
+with the CPU's CRC instruction (google-crc32c): about 4 us for a 64 KB table where zlib's CRC-32 took about 60 us on
+this project's VM, and like it they catch every single-burst error up to 32 bits (any flipped byte, any torn tail).
+The shm receiver spins on the doorbell (yielding its core between polls): an instance waiting for its table has
+nothing else to do, and a sleeping poller wakes tens of microseconds late.
 
 Backends: `shm` (this module: the sender writes straight into the receiver's shared-memory segment),
 `tcp` (comm/metadata_tcp.py) and `rdma` (comm/metadata_rdma.py) deliver the same frames into a local
@@ -24,20 +28,22 @@ context buffer. `FaultySender` wraps any sender to drop, corrupt, tear, duplicat
 from __future__ import annotations
 
 import enum
+import os
 import random
 import secrets
 import struct
 import threading
 import time
-import zlib
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
+import numpy as np
+from google_crc32c import value as _crc32c
+
 from nanocp.comm import _shm
-from nanocp.comm.fabric import SHARED_CORE_SPIN_S, poll_until
 
 MAGIC = b"NCPM"
-VERSION = 1
+VERSION = 2  # 2: CRC-32C checksums (1: zlib CRC-32)
 HEADER = struct.Struct("<4sHHQIIII")  # magic, version, flags, seq, payload_len, payload_crc, instance, header_crc
 HEADER_SIZE = HEADER.size  # 32
 _HEADER_CRC_SPAN = HEADER_SIZE - 4
@@ -89,6 +95,14 @@ class MetadataCapacityError(MetadataChannelError, ValueError):
 
 
 # ---- frame codec ----------------------------------------------------------------------------------------
+def crc32c(data) -> int:
+    """CRC-32C of a bytes-like object. google-crc32c refuses buffers that track their exports (memoryview,
+    bytearray) but reads a numpy array: any other buffer goes in as a uint8 view (no copy)."""
+    if type(data) is not bytes:
+        data = np.frombuffer(data, dtype=np.uint8)
+    return _crc32c(data)
+
+
 @dataclass(frozen=True)
 class FrameHeader:
     seq: int
@@ -100,8 +114,8 @@ class FrameHeader:
 def encode_header(seq: int, instance_id: int, payload) -> bytes:
     """The 32-byte header for `payload` (bytes-like)."""
     payload = memoryview(payload).cast("B")
-    body = HEADER.pack(MAGIC, VERSION, 0, seq, payload.nbytes, zlib.crc32(payload), instance_id, 0)
-    return body[:_HEADER_CRC_SPAN] + struct.pack("<I", zlib.crc32(body[:_HEADER_CRC_SPAN]))
+    body = HEADER.pack(MAGIC, VERSION, 0, seq, payload.nbytes, crc32c(payload), instance_id, 0)
+    return body[:_HEADER_CRC_SPAN] + struct.pack("<I", crc32c(body[:_HEADER_CRC_SPAN]))
 
 
 def decode_header(raw: bytes, capacity: int, instance_id: int) -> FrameHeader:
@@ -111,8 +125,8 @@ def decode_header(raw: bytes, capacity: int, instance_id: int) -> FrameHeader:
         raise MetadataError(FrameCheck.MAGIC, instance_id, f"magic {magic!r} != {MAGIC!r}")
     if version != VERSION:
         raise MetadataError(FrameCheck.VERSION, instance_id, f"version {version} != {VERSION}")
-    if zlib.crc32(raw[:_HEADER_CRC_SPAN]) != header_crc:
-        raise MetadataError(FrameCheck.HEADER, instance_id, "header crc32 mismatch")
+    if crc32c(raw[:_HEADER_CRC_SPAN]) != header_crc:
+        raise MetadataError(FrameCheck.HEADER, instance_id, "header crc32c mismatch")
     if length > capacity:
         raise MetadataError(FrameCheck.LENGTH, instance_id, f"payload length {length} > capacity {capacity}")
     if instance != instance_id:
@@ -206,22 +220,38 @@ class ShmContextBuffer(ContextBuffer):
         self.name = name
         self._buf = self._seg.buf
         self._words = self._buf[:16].cast("Q")  # [doorbell, begin]
+        # The reader's copy of a frame, reused: a fresh 64 KB bytes object per table costs a fresh mapping (page
+        # faults) and its unmapping, several times the copy itself on a VM.
+        self._copy = bytearray(capacity) if capacity is not None else None
 
     def doorbell(self) -> int:
         return self._words[0]
 
     def wait_doorbell(self, seen: int, deadline: float) -> int:
-        # A short spin: the driver pushes the table before it tells the instance to run, so the doorbell has
-        # normally rung already, and a receiver that does wait may share its core with the sender.
-        return poll_until(lambda: self._words[0], seen + 1, deadline, spin_s=SHARED_CORE_SPIN_S)
+        # A spin: the instance has nothing else to do until its table is here. It yields its core every few polls,
+        # so a sender (or a peer) sharing that core still runs.
+        words, polls = self._words, 0
+        while True:
+            bell = words[0]
+            if bell != seen:
+                return bell
+            polls += 1
+            if not polls & 63:
+                if time.monotonic() >= deadline:
+                    return bell
+                os.sched_yield()
 
-    def snapshot(self) -> tuple[int, bytes, bytes] | None:
+    def snapshot(self) -> tuple[int, bytes, memoryview] | None:
+        """The payload is a view of the reader's copy, valid until the next snapshot."""
         doorbell = self._words[0]
         if self._words[1] != doorbell:
             return None
         header = bytes(self._buf[HEADER_OFFSET : HEADER_OFFSET + HEADER_SIZE])
         length = payload_length_hint(header, self.capacity)
-        payload = bytes(self._buf[PAYLOAD_OFFSET : PAYLOAD_OFFSET + length])
+        if self._copy is None:  # a writer's handle reads too (tests): its own copy
+            self._copy = bytearray(self.capacity)
+        payload = memoryview(self._copy)[:length]
+        payload[:] = self._buf[PAYLOAD_OFFSET : PAYLOAD_OFFSET + length]
         if self._words[1] != doorbell:  # a writer started the next frame while we copied
             return None
         return doorbell, header, payload
@@ -288,8 +318,8 @@ class MetadataReceiver:
 
     def _accept(self, seq: int, raw_header: bytes, payload: bytes) -> memoryview:
         header = decode_header(raw_header, self.capacity, self.instance_id)
-        if zlib.crc32(payload) != header.payload_crc or len(payload) != header.payload_len:
-            raise MetadataError(FrameCheck.CHECKSUM, self.instance_id, f"payload crc32 mismatch (seq {header.seq})")
+        if len(payload) != header.payload_len or crc32c(payload) != header.payload_crc:
+            raise MetadataError(FrameCheck.CHECKSUM, self.instance_id, f"payload crc32c mismatch (seq {header.seq})")
         if header.seq < seq:
             check = FrameCheck.DUPLICATE if header.seq == self.last_seq else FrameCheck.STALE
             raise MetadataError(check, self.instance_id, f"frame seq {header.seq} < expected {seq}")
