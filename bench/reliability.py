@@ -7,13 +7,18 @@ The served parts run `nanocp serve --model tiny` in a subprocess (processes back
 users get) and drive it over HTTP with an asyncio client:
 
 - kill: a decode instance process of the server is SIGKILLed while greedy streams are in flight; every stream must
-  still end with the reference text (requests lost must be 0); the stall it caused is measured.
+  still end with the reference text (requests lost must be 0); each stream's stall (longest gap between two of its
+  tokens after the kill) is measured.
 - overload: the sustainable rate is measured first (closed loop, saturated server); then Poisson arrivals at 0.5x it
   (before), 10x it (burst), 0.5x again (after). Excess requests must get 429 with Retry-After, never a 5xx; every
   accepted request must finish; the server's RSS (process tree) is sampled throughout; p99 latency per phase.
 - soak: thousands of requests with random lengths, stop strings, chat / completions, streamed or not, a share of
   them cancelled by the client (disconnects); afterwards no request may be left in the server and every KV page must
   be free (the server's gauges are exactly 0), and the RSS growth is reported.
+
+stall (bench/stall.py): the engine as `nanocp serve` builds it, 12 greedy streams of 1,500 tokens, and one decode
+instance killed (SIGKILL) or stopped (SIGSTOP), or one CDSP prefill instance killed or stopped while new requests
+are prefilled; per-stream stall p50 and max, and whether every stream equals an untouched run.
 
 The in-process parts inject the other faults: lost / corrupt / torn metadata pushes on a process cluster (outputs
 must equal a clean run), prefill-instance deaths in the CDSP tier (KV must equal a single-instance prefill), and a
@@ -196,6 +201,7 @@ class Outcome:
     retry_after: str | None = None
     cancelled: bool = False  # the client went away on purpose
     client_delay_s: float = 0.0  # how late the client sent it (open loop: behind its scheduled arrival)
+    chunk_times: list[float] | None = None  # streamed: when each chunk arrived (monotonic)
 
 
 def random_prompt(rng: random.Random, n: int) -> str:
@@ -250,6 +256,8 @@ async def send(client: httpx.AsyncClient, url: str, path: str, body: dict, outco
                     outcome.error = json.dumps(chunk["error"])[:300]
                     return
                 if chunk["choices"]:
+                    if outcome.chunk_times is not None:
+                        outcome.chunk_times.append(time.monotonic())
                     choice = chunk["choices"][0]
                     chunks.append(choice["delta"].get("content") or "" if chat else choice["text"])
                     outcome.finish_reason = choice["finish_reason"] or outcome.finish_reason
@@ -642,7 +650,7 @@ def run_served_kill(log_dir: Path, streams: int = 12, n_tokens: int = 48, seed: 
     served.start()
     try:
         before = served.instance_pids()
-        outcomes = [Outcome("kill", 0.0) for _ in prompts]
+        outcomes = [Outcome("kill", 0.0, chunk_times=[]) for _ in prompts]
         progress = [0] * streams
 
         async def drive() -> float:
@@ -680,12 +688,32 @@ def run_served_kill(log_dir: Path, streams: int = 12, n_tokens: int = 48, seed: 
             "errors": [o.error for o in outcomes if o.error],
             "lost": sum(1 for o, e in zip(outcomes, expected) if o.text != e or o.error),
             "stall_s": max(o.sent + (o.latency_s or 0.0) for o in outcomes) - killed_at,
+            **stream_stalls([o.chunk_times for o in outcomes], killed_at),
             "gauges_after": idle,
             "health_after": httpx.get(served.url + "/health").status_code,
         }
     finally:
         served.stop()
     return result
+
+
+def stream_stalls(chunk_times: list[list[float]], fault_at: float) -> dict:
+    """Per stream, the longest gap between two of its chunks that ends after the fault: p50 and max over streams."""
+    stalls = [max((b - a for a, b in zip(t, t[1:]) if b >= fault_at), default=0.0) for t in chunk_times]
+    return {"stream_stall_p50_s": float(np.median(stalls)), "stream_stall_max_s": float(max(stalls))}
+
+
+def run_stalls(tokens: int = 1500, streams: int = 12) -> dict:
+    """Kill and stop of a decode and a prefill instance under live streams (bench/stall.py), one run each."""
+    from nanocp.bench.stall import FAULTS, TIERS, StallConfig, measure_stall
+
+    out = {}
+    for tier in TIERS:
+        for fault in FAULTS:
+            r = measure_stall(StallConfig(fault, tier, streams=streams, tokens=tokens))
+            out[f"{tier}_{fault}"] = {k: v for k, v in r.items() if k != "stall_s"} | {"stall_s": r["stall_s"]}
+            print(f"stall {tier} {fault}: p50 {r['stall_p50_s']:.2f} s, max {r['stall_max_s']:.2f} s", file=sys.stderr)
+    return out
 
 
 # ---- in-process fault injection ------------------------------------------------------------------------------
@@ -841,14 +869,41 @@ def markdown(doc: dict) -> str:
             f"{k['streams']} greedy streams of {k['tokens_per_stream']} tokens; one instance process SIGKILLed "
             "once every stream was running.",
             "",
-            "| faults injected | completed | identical to reference | requests lost | stall after the kill | "
-            "instances after | gauges after | /health after |",
-            "|---|---|---|---|---|---|---|---|",
+            "| faults injected | completed | identical to reference | requests lost | per-stream stall p50 / max | "
+            "last stream done after the kill | instances after | gauges after | /health after |",
+            "|---|---|---|---|---|---|---|---|---|",
             f"| 1 SIGKILL | {k['completed']}/{k['streams']} | {k['identical_to_reference']}/{k['streams']} | "
-            f"{k['lost']} | {k['stall_s']:.1f} s | {k['instances_after']} | "
+            f"{k['lost']} | {_fmt(k.get('stream_stall_p50_s'), 2)} / {_fmt(k.get('stream_stall_max_s'), 2)} s | "
+            f"{k['stall_s']:.1f} s | {k['instances_after']} | "
             f"{'all 0' if not any(k['gauges_after'].values()) else k['gauges_after']} | {k['health_after']} |",
             "",
         ]
+    if "stall" in doc:
+        any_run = next(iter(doc["stall"].values()))["config"]
+        lines += [
+            "## Stall per stream: an instance killed or stopped under live streams",
+            "",
+            f"The engine as `nanocp serve` builds it ({any_run['decode_instances']} decode instance processes, CDSP "
+            f"tier of {any_run['prefill_instances']}), {any_run['streams']} greedy streams of {any_run['tokens']} "
+            f"tokens; {any_run['fault_at_s']} s in, one instance is hit: a decode instance process gets SIGKILL or "
+            f"SIGSTOP (declared dead after the {any_run['heartbeat_timeout_s']:g} s heartbeat timeout, then "
+            f"killed), or a prefill instance dies or stops answering while {any_run['prefill_wave']} new requests "
+            "are prefilled. A stream's stall is the longest gap between two of its tokens after the fault.",
+            "",
+            "| instance | fault | stall p50 | stall max | longest gap before the fault | completed | identical to "
+            "untouched | recovery |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        for name, r in doc["stall"].items():
+            tier, fault = name.split("_")
+            how = (r["decode_recoveries"] or r["prefill_failures"] or ["-"])[0]
+            lines.append(
+                f"| {tier} | {'SIGKILL' if fault == 'kill' else 'SIGSTOP (hang)'} | {r['stall_p50_s']:.2f} s | "
+                f"{r['stall_max_s']:.2f} s | {r['gap_before_fault_max_s']:.2f} s | {r['completed']}/"
+                f"{r['config']['streams']} | {r.get('identical_to_untouched', '-')}/{r['config']['streams']} | "
+                f"{how[:90]} |"
+            )
+        lines.append("")
     if "metadata" in doc or "prefill" in doc or "restart" in doc:
         lines += ["## Other faults (in process)", "", "| fault | injected | survived / detail | requests lost |"]
         lines += ["|---|---|---|---|"]
@@ -944,7 +999,7 @@ def markdown(doc: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", default="bench/results/reliability", help="writes <out>.json and <out>.md")
-    parts = ("kill", "metadata", "prefill", "restart", "overload", "soak")
+    parts = ("kill", "stall", "metadata", "prefill", "restart", "overload", "soak")
     p.add_argument("--only", nargs="+", choices=parts, default=list(parts))
     p.add_argument("--calibrate-s", type=float, default=30.0)
     p.add_argument("--before-s", type=float, default=30.0)
@@ -953,6 +1008,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-pending", type=int, default=32)
     p.add_argument("--soak-requests", type=int, default=3000)
     p.add_argument("--soak-concurrency", type=int, default=24)
+    p.add_argument("--stall-tokens", type=int, default=1500, help="tokens per stream of the stall runs")
     p.add_argument("--log-dir", default=None, help="where the served processes' logs go (default: a temp dir)")
     args = p.parse_args(argv)
     out = Path(args.out)
@@ -966,6 +1022,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     runners = {
         "kill": lambda: run_served_kill(log_dir),
+        "stall": lambda: run_stalls(args.stall_tokens),
         "metadata": run_metadata_faults,
         "prefill": run_prefill_faults,
         "restart": run_restart,
