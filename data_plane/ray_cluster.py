@@ -5,7 +5,9 @@ drives it unchanged. Instance r belongs to node group r // instances_per_node; e
 placement group (one bundle per instance: 1 GPU on a GPU cluster, CPUs otherwise), so a node's instances share a
 host as the scheduler's ClusterSpec assumes. The KV pools live in the actors: prefill's `write_kv` is an actor
 call. The fabric between actors is shared memory (ShmFabric) when every actor is on one host, else
-torch.distributed over gloo (TorchDistFabric, rendezvous at rank 0's node); `fabric="dist"` forces the latter.
+torch.distributed over gloo (TorchDistFabric); `fabric="dist"` forces the latter. The gloo group meets in a store
+that rank 0's actor serves behind the cluster-token handshake of the TCP metadata channel (comm/auth_store.py): a
+random token per cluster, handed to the actors through Ray, so a stranger reaching the rendezvous port gets nothing.
 
 The decode math runs on the actor's CPU: the data plane's tensors and fabrics are host memory today, so on a GPU
 cluster each actor reserves its GPU (placement, isolation) while computing with the reference CPU path.
@@ -15,7 +17,7 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
+import secrets
 import time
 from dataclasses import dataclass, field, replace
 from datetime import timedelta
@@ -78,18 +80,21 @@ class InstanceActor:
         self.instance = None
         self.fabric = None
         self.distributed = False
+        self.store_server = None
 
     def location(self) -> ActorLocation:
         import ray
 
         return ActorLocation(ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address(), os.getpid())
 
-    def free_port(self) -> int:
-        with socket.socket() as s:
-            s.bind(("", 0))
-            return s.getsockname()[1]
+    def serve_rendezvous(self, token: bytes, single_host: bool) -> int:
+        """Rank 0: serve the gloo group's rendezvous store to peers that prove `token`; returns its port."""
+        from nanocp.comm.auth_store import AuthStoreServer
 
-    def start(self, fabric: str, arg: ShmFabricInfo | str, single_host: bool) -> str:
+        self.store_server = AuthStoreServer(token, host="127.0.0.1" if single_host else "0.0.0.0")
+        return self.store_server.port
+
+    def start(self, fabric: str, arg: ShmFabricInfo | tuple[str, int, bytes], single_host: bool) -> str:
         """Join the fabric (collective: every actor starts concurrently) and build the instance.
 
         Returns "ok", or "retry" when the shared-memory fabric saw a peer's segment before the peer had sized
@@ -103,12 +108,15 @@ class InstanceActor:
         else:
             import torch.distributed as dist
 
+            from nanocp.comm.auth_store import AuthStore
             from nanocp.comm.dist_fabric import TorchDistFabric
 
             if single_host:
                 os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+            host, port, token = arg
+            store = AuthStore((host, port), token)
             dist.init_process_group(
-                "gloo", init_method=arg, rank=self.rank, world_size=cfg.num_instances, timeout=timedelta(seconds=120)
+                "gloo", store=store, rank=self.rank, world_size=cfg.num_instances, timeout=timedelta(seconds=120)
             )
             self.distributed = True
             self.fabric = TorchDistFabric(num_flags=fabric_flags(cfg.num_instances))
@@ -142,6 +150,9 @@ class InstanceActor:
 
             dist.destroy_process_group()
             self.distributed = False
+        if self.store_server is not None:
+            self.store_server.close()
+            self.store_server = None
 
 
 @dataclass
@@ -253,9 +264,10 @@ class RayCluster:
             self._h.shm_node = self.locations[0].node_id
             arg = self._h.shm
         else:
-            port = ray.get(actors[0].free_port.remote())
+            token = secrets.token_bytes(32)  # this cluster's: the actors get it through Ray, never over the port
+            port = ray.get(actors[0].serve_rendezvous.remote(token, self.single_host))
             host = "127.0.0.1" if self.single_host else self.locations[0].ip
-            arg = f"tcp://{host}:{port}"
+            arg = (host, port, token)
         pending = [a.start.remote(self.fabric, arg, self.single_host) for a in actors]
         deadline = time.monotonic() + self.placement.start_timeout_s
         while pending:
