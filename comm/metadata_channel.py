@@ -10,16 +10,15 @@ into the instance's context buffer, laid out as
 
     [0, 8) doorbell u64: frames completed   [8, 16) begin u64: frames started   [64, 96) header   [96, ..) payload
 
-A writer bumps `begin`, writes the payload, then the header, and rings the doorbell last. The reader waits for the
-doorbell, copies the header, validates magic, version, header checksum, length, instance id, payload checksum and
-sequence number with the payload where it lies (shm: no copy; the caller copies what it keeps before it lets the
-writer go on), retries if `begin` moved meanwhile (a newer frame is being written), and raises `MetadataError`
-naming the failed check: a torn, corrupted, stale or duplicated frame is never returned. A missing frame raises
-`MetadataTimeout`. The checksums are CRC-32C (Castagnoli) computed with the CPU's CRC instruction (google-crc32c):
-about 4 us for a 64 KB table where zlib's CRC-32 took about 60 us on this project's VM, and like it they catch
-every single-burst error up to 32 bits (any flipped byte, any torn tail). The shm receiver spins on the doorbell
-(yielding its core between polls): an instance waiting for its table has nothing else to do, and a sleeping poller
-wakes tens of microseconds late.
+A writer bumps `begin`, writes the payload, then the header, and rings the doorbell last. The reader waits
+for the doorbell, copies header and payload, and retries if `begin` moved meanwhile (a newer frame is being
+written). It then validates magic, version, header checksum, length, instance id, payload checksum and
+sequence number and raises `MetadataError` naming the failed check: a torn, corrupted, stale or duplicated
+frame is never returned. A missing frame raises `MetadataTimeout`. The checksums are CRC-32C (Castagnoli) computed
+with the CPU's CRC instruction (google-crc32c): about 4 us for a 64 KB table where zlib's CRC-32 took about 60 us on
+this project's VM, and like it they catch every single-burst error up to 32 bits (any flipped byte, any torn tail).
+The shm receiver spins on the doorbell (yielding its core between polls): an instance waiting for its table has
+nothing else to do, and a sleeping poller wakes tens of microseconds late.
 
 Backends: `shm` (this module: the sender writes straight into the receiver's shared-memory segment),
 `tcp` (comm/metadata_tcp.py) and `rdma` (comm/metadata_rdma.py) deliver the same frames into a local
@@ -162,12 +161,7 @@ class ContextBuffer(ABC):
 
     @abstractmethod
     def snapshot(self) -> tuple[int, bytes, bytes] | None:
-        """(doorbell, header, payload), or None while a writer is mid-frame. The payload may be a view of the
-        buffer itself: valid while `intact(doorbell)`."""
-
-    def intact(self, doorbell: int) -> bool:
-        """No writer has started a frame after the one `snapshot` returned with `doorbell` (copies always are)."""
-        return True
+        """(doorbell, header, payload) copied consistently, or None while a writer is mid-frame."""
 
     @abstractmethod
     def publish(self, header: bytes, payload) -> int:
@@ -226,7 +220,9 @@ class ShmContextBuffer(ContextBuffer):
         self.name = name
         self._buf = self._seg.buf
         self._words = self._buf[:16].cast("Q")  # [doorbell, begin]
-        self._reader: np.memmap | None = None
+        # The reader's copy of a frame, reused: a fresh 64 KB bytes object per table costs a fresh mapping (page
+        # faults) and its unmapping, several times the copy itself on a VM.
+        self._copy = bytearray(capacity) if capacity is not None else None
 
     def doorbell(self) -> int:
         return self._words[0]
@@ -246,19 +242,19 @@ class ShmContextBuffer(ContextBuffer):
                 os.sched_yield()
 
     def snapshot(self) -> tuple[int, bytes, memoryview] | None:
-        """The payload is a view of the segment (no copy: a 64 KB copy from the writer's core costs as much as the
-        checksum), valid while `intact(doorbell)`."""
+        """The payload is a view of the reader's copy, valid until the next snapshot."""
         doorbell = self._words[0]
         if self._words[1] != doorbell:
             return None
         header = bytes(self._buf[HEADER_OFFSET : HEADER_OFFSET + HEADER_SIZE])
         length = payload_length_hint(header, self.capacity)
-        if self._reader is None:  # its own mapping: a view of it never keeps the segment from closing
-            self._reader = np.memmap(os.path.join(_shm.SHM_DIR, self.name), dtype=np.uint8, mode="r")
-        return doorbell, header, self._reader[PAYLOAD_OFFSET : PAYLOAD_OFFSET + length]
-
-    def intact(self, doorbell: int) -> bool:
-        return self._words[1] == doorbell
+        if self._copy is None:  # a writer's handle reads too (tests): its own copy
+            self._copy = bytearray(self.capacity)
+        payload = memoryview(self._copy)[:length]
+        payload[:] = self._buf[PAYLOAD_OFFSET : PAYLOAD_OFFSET + length]
+        if self._words[1] != doorbell:  # a writer started the next frame while we copied
+            return None
+        return doorbell, header, payload
 
     def publish(self, header: bytes, payload) -> int:
         payload = memoryview(payload).cast("B")
@@ -302,8 +298,7 @@ class MetadataReceiver:
         """Return the payload of the next valid frame with seq >= `seq` (a newer frame is returned when the
         sender skipped ahead, e.g. resent after a lost push: read `last_seq`). Raises MetadataError for a
         frame that fails a check (stale/duplicate included) and MetadataTimeout if none arrives in time.
-        The view stays valid until the sender's next push (shm: it is the context buffer itself): copy what you
-        keep before letting the sender go on."""
+        The view stays valid until the next call."""
         if not 1 <= seq <= MAX_SEQ:
             raise ValueError(f"seq must be in [1, 2**64), got {seq}")
         if seq <= self.last_seq:
@@ -319,26 +314,17 @@ class MetadataReceiver:
                 time.sleep(1e-5)
                 continue
             self._seen, raw_header, payload = snap
-            try:
-                view, frame_seq = self._accept(seq, raw_header, payload)
-            except MetadataError:
-                if self.context.intact(self._seen):
-                    raise
-                continue  # overwritten while we checked it: the newer frame's doorbell comes next
-            if not self.context.intact(self._seen):
-                continue
-            self.last_seq = frame_seq
-            return view
+            return self._accept(seq, raw_header, payload)
 
-    def _accept(self, seq: int, raw_header: bytes, payload: bytes) -> tuple[memoryview, int]:
-        """The checked payload and its sequence number (MetadataError naming the failed check)."""
+    def _accept(self, seq: int, raw_header: bytes, payload: bytes) -> memoryview:
         header = decode_header(raw_header, self.capacity, self.instance_id)
         if len(payload) != header.payload_len or crc32c(payload) != header.payload_crc:
             raise MetadataError(FrameCheck.CHECKSUM, self.instance_id, f"payload crc32c mismatch (seq {header.seq})")
         if header.seq < seq:
             check = FrameCheck.DUPLICATE if header.seq == self.last_seq else FrameCheck.STALE
             raise MetadataError(check, self.instance_id, f"frame seq {header.seq} < expected {seq}")
-        return memoryview(payload), header.seq
+        self.last_seq = header.seq
+        return memoryview(payload)
 
     def close(self) -> None:
         self.context.close()
