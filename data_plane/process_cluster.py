@@ -221,15 +221,21 @@ class ProcessCluster(_LocalPools):
         board = LivenessBoard.create(cfg.num_instances)
         self._shared = _Shared(board, torch.zeros(cfg.num_instances, dtype=torch.int64).share_memory_())
         ctx = mp.get_context("spawn")
-        with own_policy():  # instances run under the policy of the thread as it was, not the driver's (batch)
-            for r in range(cfg.num_instances):
-                parent, child = ctx.Pipe()
-                args = (cfg, r, self._info, self.pools[r].kv, self._shared.taken, board.info, child)
-                proc = ctx.Process(target=_process_main, args=args, daemon=True)
-                proc.start()
-                child.close()  # the process has its own copy: ours would keep the pipe open after it dies (no EOF)
-                self._conns.append(parent)
-                self._procs.append(proc)
+        try:
+            with own_policy():  # instances run under the policy of the thread as it was, not the driver's (batch)
+                for r in range(cfg.num_instances):
+                    parent, child = ctx.Pipe()
+                    args = (cfg, r, self._info, self.pools[r].kv, self._shared.taken, board.info, child)
+                    proc = ctx.Process(target=_process_main, args=args, daemon=True)
+                    proc.start()
+                    child.close()  # the process has its own copy: ours would keep the pipe open after it dies
+                    self._conns.append(parent)
+                    self._procs.append(proc)
+        except BaseException:  # e.g. spawned from a process still bootstrapping: nothing may be left behind
+            for proc in self._procs:
+                proc.kill()
+            board.close()
+            raise
         self._finish_init()
         for r in range(cfg.num_instances):
             try:
@@ -517,9 +523,12 @@ class ProcessCluster(_LocalPools):
         return f"instance {r} died (exit code {self._exit_code(r)})"
 
     def _exit_code(self, r: int) -> int | None:
-        """Instance r's exit code, once it has exited: its pipe closes a moment before (up to 5 s of waiting)."""
-        proc = self._procs[r]
+        """Instance r's exit code, once it has exited (up to 5 s of waiting): its pipe, and even its sentinel, close
+        a moment before the process can be reaped."""
+        proc, deadline = self._procs[r], time.monotonic() + 5.0
         mp_connection.wait([proc.sentinel], timeout=5.0)
+        while proc.exitcode is None and time.monotonic() < deadline:
+            time.sleep(0.005)
         return proc.exitcode
 
     def settle(self, timeout_s: float | None = None) -> None:
