@@ -1,13 +1,14 @@
 """nanocp.comm: transport-agnostic communication (torch, numpy and the standard library only).
 
 - fabric: symmetric buffers + put/signal/wait (`InProcessFabric`, `ShmFabric`, `TorchDistFabric`)
+- liveness: the abort word every shm fabric wait polls, and heartbeats (a driver detects dead or hung ranks)
 - routing: Q/Res routing backend (only marked rows move, coalesced puts, per-source sequence flags)
 - moe_dispatch: MoE dispatch/combine reference with DeepEP's low-latency layout
 - metadata_channel (+ metadata_tcp, metadata_rdma): routing tables pushed into context buffers with a doorbell
 """
 
 from nanocp.comm.dist_fabric import TorchDistFabric
-from nanocp.comm.fabric import BufferSpec, Fabric, FabricError, FabricTimeout, InProcessFabric
+from nanocp.comm.fabric import BufferSpec, Fabric, FabricAborted, FabricError, FabricTimeout, InProcessFabric
 from nanocp.comm.metadata_channel import (
     Fault,
     FaultySender,
@@ -33,6 +34,7 @@ __all__ = [
     "BufferSpec",
     "DispatchHandle",
     "Fabric",
+    "FabricAborted",
     "FabricError",
     "FabricTimeout",
     "Fault",

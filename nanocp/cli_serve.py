@@ -84,6 +84,12 @@ def _add_server_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-body-bytes", type=int, default=4 << 20, help="largest request body accepted (413)")
     p.add_argument("--default-max-tokens", type=int, default=256, help="max_tokens of chat requests that do not set it")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    p.add_argument(
+        "--heartbeat-timeout",
+        type=float,
+        default=3.0,
+        help="seconds an instance may stop answering without dying before it is declared dead and killed",
+    )
 
 
 def _server_config(args: argparse.Namespace):
@@ -93,6 +99,8 @@ def _server_config(args: argparse.Namespace):
         raise ValueError(f"--prefill-instances must be >= 0, got {args.prefill_instances}")
     if args.max_pending_requests < 1:
         raise ValueError(f"--max-pending-requests must be >= 1, got {args.max_pending_requests}")
+    if not args.heartbeat_timeout > 0:
+        raise ValueError(f"--heartbeat-timeout must be > 0, got {args.heartbeat_timeout}")
     return ServerConfig(
         model=args.model,
         served_model_name=args.served_model_name,
@@ -110,6 +118,8 @@ def _engine_config(args: argparse.Namespace, **overrides):
     from .cli import engine_kwargs
 
     kwargs = engine_kwargs(args) | {"prefill_instances": args.prefill_instances} | overrides
+    if hasattr(args, "heartbeat_timeout"):
+        kwargs["heartbeat_timeout_s"] = args.heartbeat_timeout
     kwargs["scheduler_backend"] = "cpp" if hasattr(_core, "SchedulerCore") else "python"
     return EngineConfig(model=args.model, **kwargs)
 

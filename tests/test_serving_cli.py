@@ -15,6 +15,7 @@ from pathlib import Path
 
 import httpx
 import psutil
+import pytest
 
 from nanocp.cli import build_parser
 from nanocp.control_plane.api.local import free_port
@@ -73,3 +74,14 @@ def test_serve_defaults_and_prefill_instances_documentation():
     assert bench.dataset == "mooncake" and bench.goodput == ["ttft:100", "tpot:20"]
     deploy = parser.parse_args(["deploy", "--cpu-instances", "3", "--address", "auto"])
     assert (deploy.cpu_instances, deploy.address, deploy.backend) == (3, "auto", "ray")
+
+
+def test_serve_heartbeat_timeout_reaches_the_engine_and_bad_values_are_refused():
+    from nanocp.cli_serve import _engine_config, _server_config
+
+    parser = build_parser()
+    assert _engine_config(parser.parse_args(["serve"])).heartbeat_timeout_s == 3.0
+    args = parser.parse_args(["serve", "--heartbeat-timeout", "1.5"])
+    assert _engine_config(args).heartbeat_timeout_s == 1.5
+    with pytest.raises(ValueError, match="--heartbeat-timeout must be > 0, got 0.0"):
+        _server_config(parser.parse_args(["serve", "--heartbeat-timeout", "0"]))
