@@ -14,6 +14,7 @@ TRITON_INTERPRET=1 the same kernel runs on CPU tensors (how CI checks it).
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -23,6 +24,12 @@ import triton.language as tl
 from nanocp.models import merge_attention_partials
 
 MIN_DOT = 16  # tl.dot needs every dimension >= 16
+
+
+@functools.cache
+def _multiprocessors(device_index: int) -> int:
+    """The GPU's multiprocessor count (read once: the attention is called every layer of every iteration)."""
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
 def triton_mla_unavailable_reason(device: torch.device | str) -> str | None:
@@ -118,9 +125,9 @@ class TritonMLAAttention:
     def _target(self, device: torch.device) -> int:
         if self.programs is not None:
             return self.programs
-        if device.type == "cuda":
-            return 2 * torch.cuda.get_device_properties(device).multi_processor_count
-        return 8
+        if device.type != "cuda":
+            return 8
+        return 2 * _multiprocessors(device.index if device.index is not None else torch.cuda.current_device())
 
     @staticmethod
     def block_n(dtype: torch.dtype) -> int:
@@ -155,34 +162,37 @@ class TritonMLAAttention:
             raise ValueError(f"q is {q_latent.dtype} but the KV cache is {kv_pages.dtype}")
         page_size, max_blocks = kv_pages.shape[1], block_table.shape[1]
         device = q_latent.device
+        if not shards or not max_blocks:  # no KV anywhere: every shard is empty
+            o = torch.zeros(shards, heads, v_dim, dtype=q_latent.dtype, device=device)
+            return o, torch.full((shards, heads), float("-inf"), dtype=torch.float32, device=device)
         splits, split_len = self.split_plan(shards, heads, max_blocks * page_size, q_latent.dtype, device)
-        acc = torch.zeros(shards, heads, splits, v_dim, dtype=torch.float32, device=device)
-        m = torch.full((shards, heads, splits), float("-inf"), dtype=torch.float32, device=device)
-        total = torch.zeros(shards, heads, splits, dtype=torch.float32, device=device)
-        if shards and max_blocks:
-            grid = (triton.cdiv(heads, self.BLOCK_H), splits, shards)
-            _mla_decode_split_kernel[grid](
-                q_latent.contiguous(),
-                kv_pages.contiguous(),
-                block_table.contiguous(),
-                lens.to(device).contiguous(),
-                acc,
-                m,
-                total,
-                float(scale),
-                heads,
-                dqk,
-                v_dim,
-                page_size,
-                max_blocks,
-                split_len,
-                BLOCK_H=self.BLOCK_H,
-                BLOCK_N=self.block_n(q_latent.dtype),
-                BLOCK_DV=max(triton.next_power_of_2(v_dim), MIN_DOT),
-                BLOCK_DR=max(triton.next_power_of_2(max(dqk - v_dim, 1)), MIN_DOT),
-                IEEE=q_latent.dtype == torch.float32,
-                UPCAST=q_latent.dtype != torch.float32 and os.environ.get("TRITON_INTERPRET") == "1",
-            )
+        # every (shard, head, split) entry is written by the kernel (an empty split: m = -inf, l = 0, acc = 0)
+        acc = torch.empty(shards, heads, splits, v_dim, dtype=torch.float32, device=device)
+        m = torch.empty(shards, heads, splits, dtype=torch.float32, device=device)
+        total = torch.empty(shards, heads, splits, dtype=torch.float32, device=device)
+        grid = (triton.cdiv(heads, self.BLOCK_H), splits, shards)
+        _mla_decode_split_kernel[grid](
+            q_latent.contiguous(),
+            kv_pages.contiguous(),
+            block_table.contiguous(),
+            lens.to(device).contiguous(),
+            acc,
+            m,
+            total,
+            float(scale),
+            heads,
+            dqk,
+            v_dim,
+            page_size,
+            max_blocks,
+            split_len,
+            BLOCK_H=self.BLOCK_H,
+            BLOCK_N=self.block_n(q_latent.dtype),
+            BLOCK_DV=max(triton.next_power_of_2(v_dim), MIN_DOT),
+            BLOCK_DR=max(triton.next_power_of_2(max(dqk - v_dim, 1)), MIN_DOT),
+            IEEE=q_latent.dtype == torch.float32,
+            UPCAST=q_latent.dtype != torch.float32 and os.environ.get("TRITON_INTERPRET") == "1",
+        )
         nonempty = total > 0
         safe = torch.where(nonempty, total, torch.ones_like(total))
         o_parts = acc / safe[..., None]  # [S, H, splits, dv]
