@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import importlib.metadata
 import json
 import math
@@ -43,6 +44,7 @@ import statistics
 import subprocess
 import sys
 import time
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -53,10 +55,10 @@ import torch
 
 from nanocp.data_plane import cpu_kernels
 from nanocp.data_plane.decode_layers import (
+    DecodeWeights,
     GroupedExperts,
     Linear,
     RopeTable,
-    _prepare_layer,
     add_attention_output,
     add_mlp,
     ffn_input,
@@ -68,13 +70,11 @@ from nanocp.data_plane.decode_layers import (
 )
 from nanocp.data_plane.kernels import select_routing_kernels
 from nanocp.models import (
-    AttentionWeights,
-    LayerWeights,
-    MLPWeights,
     ModelConfig,
-    MoEWeights,
     RotaryEmbedding,
     YarnScaling,
+    build_weights,
+    hf_tensor_shapes,
     merge_attention_partials,
     mla_paged_attention_with_lse,
 )
@@ -331,47 +331,37 @@ def _path(t: torch.Tensor) -> str:
 # ---------------------------------------------------------------------------------------------------------------
 
 
+class _DeviceRandomSource:
+    """A models.TensorSource of random weights made on the device (std WEIGHT_STD, norms 1): a real-size layer in
+    a moment, where the seeded CPU source (models.RandomTensorSource) would take minutes."""
+
+    def __init__(self, config: ModelConfig, device: torch.device, dtype: torch.dtype) -> None:
+        self.shapes = hf_tensor_shapes(config, expert_ids=set())
+        self.device, self.dtype = device, dtype
+
+    def shape(self, name: str) -> tuple[int, ...] | None:
+        return self.shapes.get(name)
+
+    def read(self, name: str) -> torch.Tensor:
+        if name.endswith("norm.weight"):
+            return torch.ones(self.shapes[name], device=self.device, dtype=self.dtype)
+        return _random(self.shapes[name], self.device, self.dtype)
+
+    def read_index(self, name: str, index: int) -> torch.Tensor:
+        return self.read(name)[index]
+
+
 def build_layer(
-    dims: LayerDims, device: torch.device | str, dtype: torch.dtype, *, mlp: bool = False, moe: bool = False
+    dims: LayerDims, device: torch.device | str, dtype: torch.dtype, *, mlp: bool = False
 ) -> tuple[ModelConfig, Any, RotaryEmbedding]:
-    """Random weights of one layer prepared as a decode instance prepares them (decode_layers), without routed
-    experts: attention always, the dense MLP with `mlp`, gate + shared expert with `moe`.
-    -> (config, DecodeLayerWeights, rope)."""
+    """Random weights of one layer without routed experts, prepared as a decode instance prepares them
+    (models.build_weights, then DecodeWeights.build): a dense layer (its MLP) with `mlp`, else a MoE layer (gate and
+    shared expert). -> (config, DecodeLayerWeights, rope)."""
     c, device = dims.config(), torch.device(device)
-    d, heads = c.hidden_size, c.num_attention_heads
-    ones = lambda n: torch.ones(n, device=device, dtype=dtype)  # noqa: E731
-    rnd = lambda *shape: _random(shape, device, dtype)  # noqa: E731
-
-    def swiglu_weights(width: int) -> MLPWeights:
-        return MLPWeights(rnd(width, d), rnd(width, d), rnd(d, width))
-
-    attn = AttentionWeights(
-        q_a_proj=rnd(c.q_lora_rank, d),
-        q_a_norm=ones(c.q_lora_rank),
-        q_b_proj=rnd(heads * c.qk_head_dim, c.q_lora_rank),
-        q_proj=None,
-        kv_a_proj=rnd(c.kv_lora_rank + c.qk_rope_head_dim, d),
-        kv_a_norm=ones(c.kv_lora_rank),
-        kv_b_proj=rnd(heads * (c.qk_nope_head_dim + c.v_head_dim), c.kv_lora_rank),
-        o_proj=rnd(d, heads * c.v_head_dim),
-    )
-    moe_weights = None
-    if moe:
-        bias = torch.randn(c.n_routed_experts, device=device, dtype=torch.float32).mul_(0.01)
-        shared = swiglu_weights(c.n_shared_experts * c.moe_intermediate_size) if c.n_shared_experts else None
-        moe_weights = MoEWeights(rnd(c.n_routed_experts, d), bias, {}, shared)
-    rope = RotaryEmbedding.from_config(c, device)
-    layer = LayerWeights(
-        index=1,
-        input_norm=ones(d),
-        post_attention_norm=ones(d),
-        attn=attn,
-        mlp=swiglu_weights(c.intermediate_size) if mlp else None,
-        moe=moe_weights,
-        config=c,
-        rope=rope,
-    )
-    return c, _prepare_layer(layer, ()), rope
+    if mlp:
+        c = dataclasses.replace(c, first_k_dense_replace=1)
+    model = build_weights(c, _DeviceRandomSource(c, device, dtype), expert_ids=set(), dtype=dtype, device=device)
+    return c, DecodeWeights.build(model).layers[0], model.rope
 
 
 @dataclass
@@ -542,7 +532,7 @@ def verify_experts(case: ExpertCase) -> dict[str, str | None]:
 # ---------------------------------------------------------------------------------------------------------------
 
 
-class _Bench:
+class _Bench(ABC):
     """One phase: its grid points in priority order, the weights it needs, and the timed call per implementation."""
 
     name = ""
@@ -552,15 +542,17 @@ class _Bench:
         self.dims, self.grid, self.device, self.dtype = dims, grid, device, dtype
         self.notes: dict[str, Any] = {}
 
+    @abstractmethod
     def points(self) -> list[dict[str, Any]]:
         """Grid points (features + labels) with `core` (measured in the first pass), core ones first."""
-        raise NotImplementedError
 
+    @abstractmethod
     def build(self) -> None:
-        raise NotImplementedError
+        """Make the weights / pools the timed calls read."""
 
+    @abstractmethod
     def functions(self, point: dict[str, Any]) -> dict[str, Callable[[], Any]]:
-        raise NotImplementedError
+        """The timed call of each implementation at `point`."""
 
     def free(self) -> None:
         """Drop what build() made (weights, pools), keeping the configuration and the notes."""
@@ -702,7 +694,7 @@ class _SharedExpertBench(_Bench):
         return self._batch_points(self.grid.batches)
 
     def build(self) -> None:
-        self.c, self.w, _ = build_layer(self.dims, self.device, self.dtype, moe=True)
+        self.c, self.w, _ = build_layer(self.dims, self.device, self.dtype)
 
     def functions(self, point: dict[str, Any]) -> dict[str, Callable[[], Any]]:
         b, c, w = point["batch"], self.c, self.w
@@ -802,8 +794,15 @@ class _ExpertBench(_Bench):
 
 BENCHES: dict[str, type[_Bench]] = {
     b.name: b
-    for b in (_DenseBench, _AttentionBench, _ExpertBench, _SharedExpertBench, _MergeBench, _DenseMlpBench)
-    + (_IterationBench,)
+    for b in (
+        _DenseBench,
+        _AttentionBench,
+        _ExpertBench,
+        _SharedExpertBench,
+        _MergeBench,
+        _DenseMlpBench,
+        _IterationBench,
+    )
 }
 
 
